@@ -1,0 +1,136 @@
+"""One trial configuration: the four knobs plus the model and the device. Pure Python, JSON round-trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tuner.errors import TunerError
+
+# Quantization formats. Value: short description shown by `tuner models` / errors.
+FORMATS: dict[str, str] = {
+    "fp32": "float32 weights (reference)",
+    "bf16": "bfloat16 weights",
+    "fp16": "float16 weights (CUDA only)",
+    "bnb-int8": "bitsandbytes LLM.int8() weight quantization",
+    "bnb-nf4": "bitsandbytes 4-bit NormalFloat",
+    "bnb-fp4": "bitsandbytes 4-bit float",
+    "torchao-int8wo": "torchao int8 weight-only",
+    "torchao-int4wo": "torchao int4 weight-only (CUDA only)",
+    "gptq-int4": "GPTQ 4-bit through GPTQModel (calibrated on local text)",
+}
+DEVICES = ("auto", "cpu", "cuda")
+_DRAFT_RE = {
+    "none": re.compile(r"^none$"),
+    "ngram": re.compile(r"^ngram:(\d+)$"),
+    "draft": re.compile(r"^draft:(.+):(\d+)$"),
+    "early-exit": re.compile(r"^early-exit:(\d+)$"),
+}
+DRAFT_HELP = "none, ngram:K (prompt lookup), draft:<model>:K (assistant model), early-exit:L"
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A parsed speculative-decoding draft spec."""
+
+    kind: str  # none | ngram | draft | early-exit
+    tokens: int = 0  # K: proposed tokens per step (ngram/draft), L: exit layer (early-exit)
+    model: str | None = None  # assistant model (draft only)
+
+    def __str__(self) -> str:
+        if self.kind == "none":
+            return "none"
+        if self.kind == "draft":
+            return f"draft:{self.model}:{self.tokens}"
+        return f"{self.kind}:{self.tokens}"
+
+
+def parse_draft(spec: str) -> Draft:
+    """'ngram:3' -> Draft('ngram', 3). Raises TunerError naming the spec and the accepted forms."""
+    spec = str(spec).strip()
+    for kind, rx in _DRAFT_RE.items():
+        m = rx.match(spec)
+        if not m:
+            continue
+        if kind == "none":
+            return Draft("none")
+        if kind == "draft":
+            model, k = m.group(1), int(m.group(2))
+        else:
+            model, k = None, int(m.group(1))
+        if k <= 0:
+            break
+        return Draft(kind, k, model)
+    raise TunerError(f"bad draft spec {spec!r}: expected {DRAFT_HELP} with a positive integer")
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'. Imports torch only for 'auto'."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    """One point of the search space. Frozen; `to_dict`/`from_dict`/`to_json`/`from_json` round-trip."""
+
+    model: str
+    quant: str = "bf16"
+    batch_cap: int = 1  # max concurrently running sequences
+    kv_fraction: float = 0.05  # fraction of free device memory the KV cache may take, (0, 1]
+    draft: str = "none"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise TunerError("model is empty: give an alias (see `tuner models`), a checkpoint directory or a .gguf file")
+        if self.quant not in FORMATS:
+            raise TunerError(f"unknown quantization format {self.quant!r}: expected one of {', '.join(FORMATS)}")
+        if isinstance(self.batch_cap, bool) or not isinstance(self.batch_cap, int) or self.batch_cap <= 0:
+            raise TunerError(f"batch cap {self.batch_cap!r} is invalid: expected an integer >= 1")
+        if not isinstance(self.kv_fraction, (int, float)) or not 0.0 < float(self.kv_fraction) <= 1.0:
+            raise TunerError(f"KV fraction {self.kv_fraction!r} is invalid: expected a number in (0, 1]")
+        if self.device not in DEVICES:
+            raise TunerError(f"unknown device {self.device!r}: expected one of {', '.join(DEVICES)}")
+        object.__setattr__(self, "kv_fraction", float(self.kv_fraction))
+        object.__setattr__(self, "draft", str(parse_draft(self.draft)))
+
+    @property
+    def draft_spec(self) -> Draft:
+        return parse_draft(self.draft)
+
+    def replace(self, **changes: Any) -> TrialConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrialConfig:
+        if not isinstance(data, dict):
+            raise TunerError(f"config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise TunerError(f"unknown config key(s) {', '.join(unknown)}: expected {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrialConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TunerError(f"config is not valid JSON: {e}") from None
+        # A bench JSON (`{"config": ..., "metrics": ...}`) or an export JSON is accepted too.
+        if isinstance(data, dict) and isinstance(data.get("config"), dict):
+            data = data["config"]
+        return cls.from_dict(data)
