@@ -1,0 +1,147 @@
+"""Real measurements of smollm2-135m on this CPU: a handful of requests each, through the real engines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import assert_one_line_error, run_tuner
+from tuner.bench import BenchOptions, run_bench
+from tuner.config import TrialConfig
+from tuner.workload import WorkloadSpec
+
+MODEL = "smollm2-135m"
+
+
+def options(**kw):
+    spec = kw.pop("workload", None) or WorkloadSpec(requests=6, rate=8.0, input_len=(32, 96), output_len=(8, 16),
+                                                    seed=0)
+    return BenchOptions(workload=spec, progress=False, measure_bandwidth=False, **kw)
+
+
+def assert_ordered(summary):
+    assert summary["p50"] <= summary["p90"] <= summary["p95"] <= summary["p99"]
+
+
+def test_continuous_batching_bench():
+    out = run_bench(TrialConfig(model=MODEL, quant="bf16", batch_cap=4, kv_fraction=0.01), options())
+    assert out["status"] == "ok", out["reason"]
+    m = out["metrics"]
+    assert m["failed"] == 0 and m["completed"] == 6
+    assert m["total_output_tokens"] == sum(r["output_tokens"] for r in out["requests"]) > 0
+    for r in out["requests"]:
+        assert 8 <= r["output_tokens"] <= 16  # fixed lengths (EOS ignored)
+        assert 0 < r["ttft_ms"] <= r["e2e_ms"]
+        assert len(r["itl_ms"]) == r["output_tokens"] - 1
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert_ordered(m[key])
+    assert m["ttft_ms"]["p99"] <= m["e2e_ms"]["p99"]
+    assert m["output_tokens_per_s"] > 0 and m["requests_per_s"] > 0
+    assert m["peak_rss_mb"] > 100 and m["peak_cuda_mb"] is None
+    assert out["engine"]["name"] == "transformers-cb"
+    assert out["engine"]["settings"]["max_requests_per_batch"] == 4
+    assert out["engine"]["settings"]["max_memory_percent"] == 0.01
+    assert m["harness_overhead_ms"]["p50"] is not None and m["harness_overhead_ms"]["p50"] >= 0
+    assert m["roofline"]["bytes_per_token"] > 100e6  # ~135M params in bf16
+
+
+def test_ngram_draft_output_equals_no_draft_output():
+    """Greedy decoding with prompt lookup must produce exactly the tokens of greedy decoding without it (fp32: the
+    reference numerics; in bf16 different kernel shapes can flip near-ties, which the bench reports per run)."""
+    spec = WorkloadSpec(requests=3, rate=None, concurrency=1, input_len=(48, 96), output_len=(16, 16), seed=2)
+    plain = run_bench(TrialConfig(model=MODEL, quant="fp32", batch_cap=1, kv_fraction=0.01), options(workload=spec))
+    draft = run_bench(TrialConfig(model=MODEL, quant="fp32", batch_cap=1, draft="ngram:3"), options(workload=spec))
+    assert plain["status"] == draft["status"] == "ok"
+    assert draft["engine"]["name"] == "transformers-assisted"
+    assert all(len(t) == 16 for t in plain["token_ids"])
+    assert draft["token_ids"] == plain["token_ids"]
+    m = draft["metrics"]
+    assert m["draft_outputs_match"] is True and m["draft_outputs_checked"] == 2
+    assert m["draft_proposed"] > 0 and 0.0 <= m["acceptance_rate"] <= 1.0
+
+
+def test_self_draft_accepts_almost_everything():
+    """A model drafting for itself proposes exactly what the target picks: acceptance must be (near) 100%."""
+    spec = WorkloadSpec(requests=2, rate=None, concurrency=1, input_len=(32, 32), output_len=(16, 16), seed=3)
+    out = run_bench(TrialConfig(model=MODEL, quant="fp32", draft=f"draft:{MODEL}:4"), options(workload=spec))
+    assert out["status"] == "ok", out["reason"]
+    assert out["metrics"]["acceptance_rate"] >= 0.9
+    assert out["metrics"]["draft_outputs_match"] is True
+
+
+def test_kv_memory_too_small_fails_with_reason():
+    """A KV fraction far too small for any request: the engine fails every request; the run says so, no crash."""
+    out = run_bench(TrialConfig(model=MODEL, quant="bf16", batch_cap=2, kv_fraction=1e-6), options())
+    assert out["status"] == "failed"
+    assert "requests failed" in out["reason"]
+    assert out["metrics"]["completed"] == 0 and out["metrics"]["failed"] == 6
+
+
+def test_unsupported_format_is_reported_not_raised():
+    out = run_bench(TrialConfig(model=MODEL, quant="torchao-int4wo", device="cpu"), options())
+    assert out["status"] == "unsupported" and "needs CUDA" in out["reason"]
+
+
+def test_cli_bench_writes_json(tmp_path):
+    path = tmp_path / "out.json"
+    proc = run_tuner("bench", "--model", MODEL, "--quant", "bf16", "--batch-cap", "2", "--kv-fraction", "0.01",
+                     "--requests", "4", "--rate", "8", "--input-len", "32:64", "--output-len", "8:8",
+                     "--seed", "0", "--no-bandwidth", "--quiet", "--goodput", "ttft:5000", "--json", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ttft_ms" in proc.stdout and "output tok/s" in proc.stdout
+    data = json.loads(path.read_text())
+    assert set(data) >= {"config", "metrics", "engine", "environment", "workload", "requests"}
+    assert data["config"]["batch_cap"] == 2
+    m = data["metrics"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(m[key]) == {"p50", "p90", "p95", "p99", "mean"}
+    for key in ("output_tokens_per_s", "requests_per_s", "completed", "failed", "peak_rss_mb", "peak_cuda_mb",
+                "acceptance_rate", "goodput_requests_per_s"):
+        assert key in m
+    assert m["completed"] == 4 and m["failed"] == 0
+    # closed loop: --config replays the same configuration from the bench JSON
+    proc2 = run_tuner("bench", "--config", str(path), "--requests", "2", "--concurrency", "1", "--output-len", "4",
+                      "--no-bandwidth", "--quiet")
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    assert "batch_cap=2" in proc2.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--model", "smollm2-135m", "--quant", "int3"], "unknown quantization format 'int3'"),
+    (["--model", "smollm2-135m", "--batch-cap", "0"], "batch cap 0"),
+    (["--model", "smollm2-135m", "--kv-fraction", "1.5"], "KV fraction 1.5"),
+    (["--model", "smollm2-135m", "--kv-fraction", "0"], "KV fraction 0.0"),
+    (["--model", "smollm2-135m", "--draft", "ngram:x"], "bad draft spec 'ngram:x'"),
+    (["--model", "smollm2-135m", "--draft", "draft:nope:3"], "unknown model 'nope'"),
+    (["--model", "smollm2-135m", "--trace", "/nonexistent/t.jsonl"], "unreadable"),
+    (["--model", "smollm2-135m", "--input-len", "9:3"], "--input-len '9:3'"),
+    (["--model", "smollm2-135m", "--requests", "0"], "--requests 0"),
+    (["--model", "smollm2-135m", "--rate", "-1"], "--rate -1"),
+    (["--model", "smollm2-135m", "--goodput", "ttfb:3"], "--goodput 'ttfb:3'"),
+    (["--model", "smollm2-135m", "--quant", "torchao-int4wo", "--device", "cpu"], "needs CUDA"),
+    (["--model", "smollm2-135m", "--device", "cuda"], "no CUDA device"),
+    (["--model", "smollm2-135m", "--batch-cap", "two"], "invalid int value: 'two'"),
+])
+def test_bad_input_one_line_exit_2(tmp_path, args, needle):
+    out = tmp_path / "o.json"
+    proc = run_tuner("bench", *args, "--requests" if "--requests" not in args else "--seed", "1", "--json", str(out),
+                     timeout=300)
+    assert_one_line_error(proc, needle)
+    assert not out.exists()
+
+
+def test_bad_model_sources(tmp_path):
+    empty = tmp_path / "ckpt"
+    empty.mkdir()
+    assert_one_line_error(run_tuner("bench", "--model", str(empty)), "has no config.json")
+    fake = tmp_path / "m.gguf"
+    fake.write_bytes(b"NOPE" + b"\0" * 100)
+    assert_one_line_error(run_tuner("bench", "--model", str(fake)), "is not a GGUF file")
+    from tuner.models import alias_gguf
+
+    truncated = tmp_path / "t.gguf"
+    truncated.write_bytes(alias_gguf(MODEL).read_bytes()[: 5 * 2**20])
+    assert_one_line_error(run_tuner("bench", "--model", str(truncated)), "truncated or corrupt")
+    assert_one_line_error(run_tuner("bench", "--model", str(tmp_path / "missing.gguf")), "does not exist")

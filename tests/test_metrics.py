@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tuner.metrics import RequestResult, compute_metrics, percentile, summarize
+
+
+def req(i, ttft, e2e, n, itl=None, error=None, proposed=0, accepted=0):
+    return RequestResult(index=i, prompt_tokens=10, output_tokens=n, ttft_ms=ttft, e2e_ms=e2e,
+                         itl_ms=list(itl or []), error=error, draft_proposed=proposed, draft_accepted=accepted)
+
+
+@pytest.mark.parametrize("xs", [[1.0], [3.0, 1.0], [5, 1, 4, 2, 3], list(range(100)), [0.5, 0.25, 10.0, 7.0]])
+def test_percentiles_match_numpy(xs):
+    s = summarize(xs)
+    for p in (50, 90, 95, 99):
+        assert s[f"p{p}"] == pytest.approx(float(np.percentile(xs, p)))
+    assert s["mean"] == pytest.approx(float(np.mean(xs)))
+
+
+def test_summarize_empty_is_none():
+    assert summarize([]) == {"p50": None, "p90": None, "p95": None, "p99": None, "mean": None}
+
+
+def test_percentile_single():
+    assert percentile([4.0], 99) == 4.0
+
+
+def test_tpot_excludes_first_token():
+    r = req(0, ttft=100.0, e2e=400.0, n=4)
+    assert r.tpot_ms == pytest.approx(100.0)  # (400-100)/(4-1)
+    assert req(1, 100.0, 100.0, 1).tpot_ms is None
+
+
+def test_compute_metrics_by_hand():
+    results = [
+        req(0, 100.0, 400.0, 4, itl=[100, 100, 100]),
+        req(1, 200.0, 200.0 + 2 * 50.0, 3, itl=[50, 50]),
+        req(2, None, 10.0, 0, error="boom"),
+        req(3, None, 5.0, 0),  # zero tokens, no error: still a failure
+    ]
+    m = compute_metrics(results, duration_s=2.0)
+    assert m["completed"] == 2 and m["failed"] == 2
+    assert m["total_output_tokens"] == 7
+    assert m["output_tokens_per_s"] == pytest.approx(3.5)
+    assert m["requests_per_s"] == pytest.approx(1.0)
+    assert m["ttft_ms"]["mean"] == pytest.approx(150.0)
+    assert m["ttft_ms"]["p50"] == pytest.approx(150.0)
+    assert m["tpot_ms"]["mean"] == pytest.approx(75.0)
+    assert m["itl_ms"]["mean"] == pytest.approx((300 + 100) / 5)
+    assert m["e2e_ms"]["p99"] == pytest.approx(np.percentile([400.0, 300.0], 99))
+    assert m["acceptance_rate"] is None
+    assert m["errors"] == ["boom"]
+
+
+def test_acceptance_rate_and_goodput():
+    results = [req(0, 100.0, 300.0, 5, proposed=12, accepted=3), req(1, 400.0, 500.0, 5, proposed=8, accepted=5)]
+    m = compute_metrics(results, 1.0, slo_ms={"ttft_ms": 300.0})
+    assert m["acceptance_rate"] == pytest.approx(8 / 20)
+    assert m["goodput_requests_per_s"] == pytest.approx(1.0)  # only request 0 meets TTFT <= 300 ms
+    m2 = compute_metrics(results, 1.0, slo_ms={"ttft_ms": 500.0, "tpot_ms": 30.0})
+    assert m2["goodput_requests_per_s"] == pytest.approx(1.0)  # request 0 has TPOT 50 ms > 30
+
+
+def test_all_failed_gives_none_percentiles():
+    m = compute_metrics([req(0, None, 1.0, 0, error="x")], 1.0)
+    assert m["completed"] == 0 and m["ttft_ms"]["p50"] is None
+    assert not math.isnan(m["output_tokens_per_s"])

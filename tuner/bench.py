@@ -1,0 +1,211 @@
+"""Measure one serving configuration for real: load the model with its format, start the engine, serve the
+workload, and return `{config, metrics, engine, environment, workload, requests, status, reason}`.
+
+A run never raises for what is data: an unsupported format, a load failure, an engine that dies or returns zero
+tokens all come back as status "failed" (or "unsupported") with a one-line reason. Bad user input raises TunerError
+before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tuner.config import TrialConfig, resolve_device
+from tuner.errors import TunerError, UnsupportedConfig
+from tuner.metrics import RequestResult, compute_metrics
+from tuner.workload import WorkloadSpec, build_workload
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    slo_ms: dict[str, float] | None = None  # per-request bounds for goodput, e.g. {"ttft_ms": 300}
+    timeout_s: float = 1800.0
+    ignore_eos: bool = True  # fixed output lengths, as vLLM's benchmark --ignore-eos
+    verify_draft: int = 2  # requests re-generated without the draft to check greedy outputs match
+    measure_bandwidth: bool = True
+    progress: bool = True
+    keep_requests: bool = True  # per-request results in the output (latency distributions)
+
+
+class PeakMemory:
+    """Samples the process RSS (and CUDA peak) while a block runs."""
+
+    def __init__(self, device: str, interval_s: float = 0.02) -> None:
+        self.device, self.interval_s = device, interval_s
+        self.peak_rss = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> PeakMemory:
+        import psutil
+
+        proc = psutil.Process()
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+
+        def sample() -> None:
+            while not self._stop.is_set():
+                self.peak_rss = max(self.peak_rss, proc.memory_info().rss)
+                self._stop.wait(self.interval_s)
+
+        self.peak_rss = proc.memory_info().rss
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cuda_mb(self) -> float | None:
+        if self.device != "cuda":
+            return None
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("tuner", "torch", "transformers", "bitsandbytes", "torchao", "gptqmodel", "accelerate"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def environment(device: str) -> dict[str, Any]:
+    import os
+
+    import torch
+
+    env: dict[str, Any] = {"device": device, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                           "platform": platform.platform(), "versions": versions()}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    else:
+        try:
+            with open("/proc/cpuinfo") as f:
+                env["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+        except OSError:
+            env["cpu"] = platform.processor()
+    return env
+
+
+def make_engine(model: Any, tokenizer: Any, config: TrialConfig, ignore_eos: bool) -> Any:
+    from tuner.engines import engine_for, get_engine_class
+
+    name = engine_for(config)
+    cls = get_engine_class(name)
+    if name == "transformers-assisted" and config.draft_spec.kind == "draft":
+        from tuner.quantize import load_model
+
+        quant = "fp32" if config.quant == "fp32" else "bf16"  # the assistant runs at the target's compute dtype
+        assistant = load_model(TrialConfig(model=config.draft_spec.model, quant=quant, device=config.device))
+        return cls(model, tokenizer, config, ignore_eos=ignore_eos, assistant=assistant)
+    return cls(model, tokenizer, config, ignore_eos=ignore_eos)
+
+
+def check_draft_outputs(engine: Any, model: Any, requests: list[Any], token_ids: list[list[int]], n: int) -> dict:
+    """Re-generate the first n requests greedily WITHOUT the draft and compare token ids with what was served."""
+    import torch
+
+    checked = matched = 0
+    for req, got in list(zip(requests, token_ids))[:n]:
+        if not got:
+            continue
+        x = torch.tensor([list(req.prompt_ids)], device=model.device)
+        with torch.inference_mode():
+            ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=len(got),
+                                 min_new_tokens=len(got), do_sample=False,
+                                 pad_token_id=engine.tokenizer.pad_token_id)[0, x.shape[1]:].tolist()
+        checked += 1
+        matched += int(ref == got)
+    return {"draft_outputs_checked": checked, "draft_outputs_match": matched == checked if checked else None}
+
+
+def run_bench(
+    config: TrialConfig,
+    options: BenchOptions | None = None,
+    should_stop: Callable[[list[RequestResult], int], str | None] | None = None,
+) -> dict[str, Any]:
+    """Measure `config` under `options.workload`. See module docstring for the failure contract."""
+    from tuner.loadgen import run_load
+    from tuner.quantize import load_model, unsupported_reason
+
+    options = options or BenchOptions()
+    device = resolve_device(config.device)
+    out: dict[str, Any] = {"config": config.to_dict(), "workload": options.workload.to_dict(), "status": "ok",
+                           "reason": None, "metrics": None}
+    reason = unsupported_reason(config.quant, device)
+    if reason:
+        out.update(status="unsupported", reason=f"format {config.quant!r} is unsupported on {device}: {reason}")
+        return out
+    out["environment"] = environment(device)
+    t = time.perf_counter()
+    try:
+        model, tokenizer = load_model(config)
+    except UnsupportedConfig as e:
+        out.update(status="unsupported", reason=str(e))
+        return out
+    except TunerError:
+        raise
+    except Exception as e:
+        out.update(status="failed", reason=f"loading {config.quant} failed: {one_line(e)}")
+        return out
+    out["load_s"] = time.perf_counter() - t
+    requests = build_workload(options.workload, tokenizer)
+    engine = make_engine(model, tokenizer, config, options.ignore_eos)
+    caps = engine.capabilities()
+    out["engine"] = {"name": caps.name, "settings": caps.settings, "notes": list(caps.notes),
+                     "versions": out["environment"]["versions"], "device": device}
+    with PeakMemory(device) as mem:
+        try:
+            engine.start()
+            load = run_load(engine, requests, options.workload.concurrency, options.timeout_s, should_stop,
+                            options.progress)
+            out["engine"]["info"] = engine.info()
+        except Exception as e:
+            out.update(status="failed", reason=f"engine failed: {one_line(e)}")
+            return out
+        finally:
+            engine.stop()
+    metrics = compute_metrics(load.results, load.duration_s, options.slo_ms)
+    metrics["peak_rss_mb"] = mem.peak_rss / 2**20
+    metrics["peak_cuda_mb"] = mem.cuda_mb()
+    metrics["decode_tokens_per_s_per_seq"] = 1e3 / metrics["tpot_ms"]["mean"] if metrics["tpot_ms"]["mean"] else None
+    bandwidth = None
+    if options.measure_bandwidth:
+        from tuner.roofline import measure_bandwidth_gbs
+
+        bandwidth = measure_bandwidth_gbs(device=device)
+    from tuner.roofline import roofline
+
+    metrics["roofline"] = roofline(model, metrics["decode_tokens_per_s_per_seq"], bandwidth)
+    if config.draft != "none" and options.verify_draft:
+        metrics.update(check_draft_outputs(engine, model, requests, load.token_ids, options.verify_draft))
+    out["metrics"] = metrics
+    if options.keep_requests:
+        out["requests"] = [r.to_dict() for r in load.results]
+    out["token_ids"] = load.token_ids
+    if load.stopped_reason:
+        out.update(status="pruned", reason=load.stopped_reason)
+    elif metrics["completed"] == 0:
+        first = metrics["errors"][0] if metrics["errors"] else "no request completed"
+        out.update(status="failed", reason=f"all {metrics['failed']} requests failed: {first}")
+    return out
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

@@ -1,0 +1,30 @@
+"""Serving engines behind one small contract (`tuner.engines.base.Engine`), found through a lazy registry.
+
+An engine that runs in-process (transformers continuous batching, assisted generation) and one driven over the
+OpenAI-compatible HTTP API (llama.cpp's server, vLLM, SGLang, TGI) plug into the same load generator and metrics.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> "module:attr" (imported only when used)
+ENGINES: dict[str, str] = {
+    "transformers-cb": "tuner.engines.transformers_cb:ContinuousBatchingEngine",
+    "transformers-assisted": "tuner.engines.assisted:AssistedEngine",
+}
+
+
+def get_engine_class(name: str) -> Any:
+    from tuner.errors import TunerError
+
+    if name not in ENGINES:
+        raise TunerError(f"unknown engine {name!r}: expected one of {', '.join(ENGINES)}")
+    module, attr = ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def engine_for(config: Any) -> str:
+    """The engine that serves a config: drafts go through assisted generation, the rest through CB."""
+    return "transformers-assisted" if config.draft != "none" else "transformers-cb"

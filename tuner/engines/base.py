@@ -1,0 +1,50 @@
+"""The engine contract: submit a request, stream its tokens back through a sink, report capabilities.
+
+Threading model: `submit` never blocks on generation; the engine calls the sink from its own thread(s).
+A sink's methods must be cheap (they stamp the time and append); an engine must call `on_finish` exactly once
+per submitted request, also on failure, so the load generator never waits forever on a lost request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class TokenSink(Protocol):
+    def on_tokens(self, token_ids: list[int], engine_time_s: float | None) -> None:
+        """New tokens of this request. `engine_time_s`: the engine's own perf_counter stamp of the first of them."""
+
+    def on_finish(self, error: str | None, draft_proposed: int = 0, draft_accepted: int = 0) -> None:
+        """The request is over (error None on success)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    name: str
+    streaming: bool
+    max_concurrency: int  # sequences decoded at once
+    supports_draft: bool
+    notes: tuple[str, ...] = ()
+    settings: dict[str, Any] = field(default_factory=dict)  # engine-native settings derived from the config
+
+
+class Engine(ABC):
+    """Lifecycle: `start()` (load, allocate, warm up) -> `submit(...)`* -> `stop()`."""
+
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int, sink: TokenSink) -> None: ...
+
+    @abstractmethod
+    def stop(self) -> None: ...
+
+    def info(self) -> dict[str, Any]:
+        """Device, versions and memory facts recorded with every measurement."""
+        return {}
