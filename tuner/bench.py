@@ -170,16 +170,18 @@ def run_bench(
     out["engine"] = {"name": caps.name, "settings": caps.settings, "notes": list(caps.notes),
                      "versions": out["environment"]["versions"], "device": device}
     with PeakMemory(device) as mem:
+        load_done = False
         try:
             engine.start()
             load = run_load(engine, requests, options.workload.concurrency, options.timeout_s, should_stop,
                             options.progress)
+            load_done = True
             out["engine"]["info"] = engine.info()
         except Exception as e:
             out.update(status="failed", reason=f"engine failed: {one_line(e)}")
             return out
         finally:
-            engine.stop()
+            engine.stop(drain=not (load_done and load.stopped_reason))
     metrics = compute_metrics(load.results, load.duration_s, options.slo_ms)
     metrics["peak_rss_mb"] = mem.peak_rss / 2**20
     metrics["peak_cuda_mb"] = mem.cuda_mb()
@@ -204,6 +206,25 @@ def run_bench(
         first = metrics["errors"][0] if metrics["errors"] else "no request completed"
         out.update(status="failed", reason=f"all {metrics['failed']} requests failed: {first}")
     return out
+
+
+def stop_when_past(bounds: list[Any], min_fraction: float = 0.5) -> Callable[[list[RequestResult], int], str | None]:
+    """Early stop: once `min_fraction` of the requests finished, stop if a bound is already exceeded (or the
+    finished requests all failed)."""
+
+    def should_stop(finished: list[RequestResult], total: int) -> str | None:
+        if len(finished) < max(1, int(total * min_fraction)):
+            return None
+        m = compute_metrics(finished, 1.0)
+        if m["completed"] == 0:
+            return f"stopped at {len(finished)}/{total} requests: every finished request failed"
+        for b in bounds:
+            v = b.value(m)
+            if v is not None and v > b.limit_ms:
+                return f"stopped at {len(finished)}/{total} requests: {b.key} = {v:.0f} ms > {b.limit_ms:g} ms"
+        return None
+
+    return should_stop
 
 
 def one_line(e: BaseException) -> str:

@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--timeout", type=float, default=1800.0, help="seconds before unfinished requests fail")
     g.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: fixed output lengths)")
     g.add_argument("--no-bandwidth", action="store_true", help="skip the memory-bandwidth (roofline) measurement")
+    g.add_argument("--stop-if", metavar="SLO", help="stop early (status pruned) if, half-way through, a bound is "
+                                                   "already exceeded, e.g. 'ttft:p99<300ms'")
     g.add_argument("--json", metavar="FILE", help="write {config, metrics, ...} as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -54,16 +56,22 @@ def run(args: argparse.Namespace) -> int:
         raise TunerError(f"--timeout {args.timeout} is invalid: expected seconds > 0")
     from tuner.bench import BenchOptions, run_bench
 
+    should_stop = None
+    if args.stop_if:
+        from tuner.bench import stop_when_past
+        from tuner.targets import parse_slo
+
+        should_stop = stop_when_past(parse_slo(args.stop_if))
     opts = BenchOptions(workload=spec, slo_ms=slo, timeout_s=args.timeout, ignore_eos=not args.respect_eos,
                         measure_bandwidth=not args.no_bandwidth, progress=not args.quiet)
-    result = run_bench(config, opts)
+    result = run_bench(config, opts, should_stop)
     if result["status"] == "unsupported":
         raise TunerError(result["reason"])
     result.pop("token_ids", None)
     print(format_report(result))
     if out_path:
         write_json_atomic(out_path, result)
-    return 0 if result["status"] == "ok" else 1
+    return {"ok": 0, "pruned": 3}.get(result["status"], 1)
 
 
 def _fmt(v: Any, digits: int = 1) -> str:

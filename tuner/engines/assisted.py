@@ -152,7 +152,15 @@ class AssistedEngine(Engine):
                 error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             sink.on_finish(error, self._counter.proposed, self._counter.accepted)
 
-    def stop(self) -> None:
+    def stop(self, drain: bool = True) -> None:
+        if not drain:  # abandon queued requests; running ones finish their current generate()
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[3].on_finish("engine stopped before the request started")
         for _ in self._workers:
             self._queue.put(None)
         for t in self._workers:

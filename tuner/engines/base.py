@@ -43,7 +43,8 @@ class Engine(ABC):
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int, sink: TokenSink) -> None: ...
 
     @abstractmethod
-    def stop(self) -> None: ...
+    def stop(self, drain: bool = True) -> None:
+        """Stop serving. drain=True finishes in-flight requests first; False abandons them (early stop)."""
 
     def info(self) -> dict[str, Any]:
         """Device, versions and memory facts recorded with every measurement."""

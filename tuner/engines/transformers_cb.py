@@ -135,10 +135,10 @@ class ContinuousBatchingEngine(Engine):
                     error = ZERO_TOKENS
                 self._finish(out.request_id, error)
 
-    def stop(self) -> None:
+    def stop(self, drain: bool = True) -> None:
         if self.manager is not None:
             try:
-                self.manager.stop(block=True, timeout=30)
+                self.manager.stop(block=True, timeout=30, hard_stop=not drain)
             finally:
                 self._stopping.set()
                 if self._collector is not None:

@@ -1,0 +1,195 @@
+"""Search spaces as data (`search_spaces/*.yaml`): each knob's choices or range, conditions between knobs,
+the engine-default baseline, the workload and the quality suite. `suggest_config` turns an Optuna trial into a
+TrialConfig (define-by-run, so a conditional knob is only sampled where its condition holds).
+
+File format (every key optional except `knobs`):
+
+    knobs:
+      quant:       {choices: [bf16, bnb-nf4, gptq-int4]}
+      batch_cap:   {choices: [1, 2, 4, 8]}            # or {low: 1, high: 32, log: true}
+      kv_fraction: {low: 0.005, high: 0.05, log: true}
+      draft:       {choices: [none, "ngram:3"], when: {batch_cap: [1]}}   # else 'none'
+    baseline: {quant: fp32, batch_cap: 1, kv_fraction: 0.01, draft: none}
+    workload: {requests: 16, rate: 2.0, input_len: "64:192", output_len: "32:48"}
+    quality:  {tasks: [arc_easy, piqa], limit: 50}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tuner.config import FORMATS, TrialConfig, parse_draft
+from tuner.errors import TunerError
+
+KNOBS = ("quant", "batch_cap", "kv_fraction", "draft")
+DEFAULTS: dict[str, Any] = {"quant": "bf16", "batch_cap": 1, "kv_fraction": 0.05, "draft": "none"}
+TOP_KEYS = {"knobs", "baseline", "workload", "quality", "description"}
+SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    choices: tuple[Any, ...] | None = None
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    when: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.choices is not None:
+            return ", ".join(map(str, self.choices))
+        return f"[{self.low:g}, {self.high:g}]" + (" log" if self.log else "")
+
+
+@dataclass(frozen=True)
+class Space:
+    path: str
+    knobs: dict[str, Knob]
+    baseline: dict[str, Any]
+    workload: dict[str, Any]
+    quality: dict[str, Any]
+
+
+def default_space_path(device: str) -> Path:
+    return SPACES_DIR / ("cuda.yaml" if device == "cuda" else "cpu.yaml")
+
+
+def _err(path: str, key: str, msg: str) -> TunerError:
+    return TunerError(f"space file {path!r}: {key}: {msg}")
+
+
+def _check_value(path: str, key: str, knob: str, value: Any) -> Any:
+    """Validate one knob value, raising with the key path."""
+    if knob == "quant":
+        if value not in FORMATS:
+            raise _err(path, key, f"unknown quantization format {value!r}: expected one of {', '.join(FORMATS)}")
+    elif knob == "batch_cap":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _err(path, key, f"batch cap {value!r} is invalid: expected an integer >= 1")
+    elif knob == "kv_fraction":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise _err(path, key, f"KV fraction {value!r} is invalid: expected a number in (0, 1]")
+    elif knob == "draft":
+        try:
+            value = str(parse_draft(str(value)))
+        except TunerError as e:
+            raise _err(path, key, str(e)) from None
+    return value
+
+
+def _parse_knob(path: str, name: str, raw: Any, earlier: list[str]) -> Knob:
+    where = f"knobs.{name}"
+    if name not in KNOBS:
+        raise _err(path, where, f"unknown knob: expected one of {', '.join(KNOBS)}")
+    if not isinstance(raw, dict):
+        raise _err(path, where, "expected a mapping with choices, or low/high")
+    unknown = set(raw) - {"choices", "low", "high", "log", "when"}
+    if unknown:
+        raise _err(path, f"{where}.{sorted(unknown)[0]}", "unknown key: expected choices, low, high, log, when")
+    when: dict[str, tuple[Any, ...]] = {}
+    for other, values in (raw.get("when") or {}).items():
+        if other not in earlier:
+            raise _err(path, f"{where}.when.{other}", f"condition on {other!r}: expected a knob listed before "
+                                                      f"{name!r} ({', '.join(earlier) or 'none'})")
+        if not isinstance(values, list) or not values:
+            raise _err(path, f"{where}.when.{other}", "expected a non-empty list of values")
+        when[other] = tuple(_check_value(path, f"{where}.when.{other}[{i}]", other, v) for i, v in enumerate(values))
+    if "choices" in raw:
+        choices = raw["choices"]
+        if not isinstance(choices, list) or not choices:
+            raise _err(path, f"{where}.choices", "expected a non-empty list")
+        vals = tuple(_check_value(path, f"{where}.choices[{i}]", name, v) for i, v in enumerate(choices))
+        if len(set(vals)) != len(vals):
+            raise _err(path, f"{where}.choices", "duplicate values")
+        return Knob(name, choices=vals, when=when)
+    if name in ("quant", "draft"):
+        raise _err(path, where, "expected choices (a list)")
+    if "low" not in raw or "high" not in raw:
+        raise _err(path, where, "expected choices, or both low and high")
+    low = _check_value(path, f"{where}.low", name, raw["low"])
+    high = _check_value(path, f"{where}.high", name, raw["high"])
+    if low >= high:
+        raise _err(path, where, f"low {low} must be below high {high}")
+    return Knob(name, low=float(low), high=float(high), log=bool(raw.get("log", False)), when=when)
+
+
+def load_space(path: str | Path) -> Space:
+    """Read and validate a space file; errors name the key path."""
+    import yaml
+
+    p = str(path)
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TunerError(f"space file {p!r} is unreadable ({e.strerror}): expected a YAML file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise TunerError(f"space file {p!r} is not valid YAML{where}: expected a mapping of knobs") from None
+    if not isinstance(data, dict):
+        raise TunerError(f"space file {p!r}: expected a YAML mapping with a 'knobs' key")
+    unknown = set(data) - TOP_KEYS
+    if unknown:
+        raise _err(p, sorted(unknown)[0], f"unknown key: expected {', '.join(sorted(TOP_KEYS))}")
+    if not isinstance(data.get("knobs"), dict) or not data["knobs"]:
+        raise _err(p, "knobs", "expected a mapping of knob name to choices/range")
+    order = [k for k in KNOBS if k in data["knobs"]] + [k for k in data["knobs"] if k not in KNOBS]
+    knobs: dict[str, Knob] = {}
+    for name in order:
+        knobs[name] = _parse_knob(p, name, data["knobs"][name], list(knobs))
+    baseline = dict(DEFAULTS, quant="fp32", batch_cap=1, draft="none")
+    for key, value in (data.get("baseline") or {}).items():
+        if key not in KNOBS:
+            raise _err(p, f"baseline.{key}", f"unknown knob: expected one of {', '.join(KNOBS)}")
+        baseline[key] = _check_value(p, f"baseline.{key}", key, value)
+    for name, knob in knobs.items():  # the baseline must be a point of the space, so Optuna can enqueue it
+        v = baseline[name]
+        if knob.choices is not None and v not in knob.choices:
+            knobs[name] = Knob(name, choices=(v, *knob.choices), when=knob.when)
+        elif knob.choices is None and not knob.low <= v <= knob.high:
+            raise _err(p, f"baseline.{name}", f"{v} is outside knobs.{name} range [{knob.low:g}, {knob.high:g}]")
+    for section in ("workload", "quality"):
+        if data.get(section) is not None and not isinstance(data[section], dict):
+            raise _err(p, section, "expected a mapping")
+    return Space(p, knobs, baseline, dict(data.get("workload") or {}), dict(data.get("quality") or {}))
+
+
+def restrict_to_device(space: Space, device: str) -> tuple[Space, list[str]]:
+    """Drop formats this device cannot run (keeping the baseline). Returns the space and one note per drop."""
+    from tuner.quantize import unsupported_reason
+
+    knob = space.knobs.get("quant")
+    if knob is None or knob.choices is None:
+        return space, []
+    keep, notes = [], []
+    for q in knob.choices:
+        reason = unsupported_reason(q, device)
+        if reason and q != space.baseline["quant"]:
+            notes.append(f"{q} left out: {reason}")
+        else:
+            keep.append(q)
+    knobs = dict(space.knobs, quant=Knob("quant", choices=tuple(keep), when=knob.when))
+    return Space(space.path, knobs, space.baseline, space.workload, space.quality), notes
+
+
+def _suggest(trial: Any, knob: Knob) -> Any:
+    if knob.choices is not None:
+        return trial.suggest_categorical(knob.name, list(knob.choices))
+    if knob.name == "batch_cap":
+        return trial.suggest_int(knob.name, int(knob.low), int(knob.high), log=knob.log)
+    return trial.suggest_float(knob.name, knob.low, knob.high, log=knob.log)
+
+
+def suggest_config(trial: Any, space: Space, model: str, device: str) -> TrialConfig:
+    """Sample one configuration (works with optuna.Trial and optuna.trial.FixedTrial)."""
+    values: dict[str, Any] = {}
+    for name, knob in space.knobs.items():
+        if all(values.get(k) in allowed for k, allowed in knob.when.items()):
+            values[name] = _suggest(trial, knob)
+        else:
+            values[name] = DEFAULTS[name] if name == "draft" else space.baseline[name]
+    merged = {k: values.get(k, space.baseline[k]) for k in KNOBS}
+    return TrialConfig(model=model, device=device, **merged)
