@@ -99,14 +99,16 @@ def constraint_values(metrics: dict[str, Any], q: dict[str, Any], ctx: SearchCon
     for b in ctx.bounds:
         v = b.value(metrics)
         values.append(math.inf if v is None else v - b.limit_ms)
-    drop = q.get("drop_pp")
-    values.append(0.0 if not ctx.score_quality else (math.inf if drop is None else drop - ctx.max_quality_drop))
+    if ctx.score_quality:
+        drop = q.get("drop_pp")
+        values.append(math.inf if drop is None else drop - ctx.max_quality_drop)
     values.append(float(metrics.get("failed", 0)))
     return values
 
 
 def constraint_names(ctx: SearchContext) -> list[str]:
-    return [str(b) for b in ctx.bounds] + [f"quality drop<={ctx.max_quality_drop:g}pp", "failed requests=0"]
+    quality = [f"quality drop<={ctx.max_quality_drop:g}pp"] if ctx.score_quality else []
+    return [str(b) for b in ctx.bounds] + quality + ["failed requests=0"]
 
 
 def cost_per_million(tokens_per_s: float, cost_per_hour: float | None) -> float | None:
@@ -145,23 +147,16 @@ def objective(trial: Any, ctx: SearchContext) -> tuple[float, float, float]:
         trial.set_user_attr("quality", {k: q.get(k) for k in ("score", "score_stderr", "baseline_score", "drop_pp",
                                                               "within_noise", "kld_mean", "kld_p99", "top1_agree",
                                                               "tasks", "limit", "seed")})
-    trial.set_user_attr("constraints", constraint_values(metrics, q, ctx))
+    values = constraint_values(metrics, q, ctx)
+    trial.set_user_attr("constraints", values)
+    for name, value in zip(constraint_names(ctx), values):  # Optuna's own constraint store (feasibility in TPE)
+        trial.set_constraint(name, min(value, 1e12))
     cost = cost_per_million(metrics["output_tokens_per_s"], ctx.cost_per_hour)
     if cost is not None:
         trial.set_user_attr("cost_per_million_tokens", cost)
     latency = ctx.primary.value(metrics)
     return (metrics["output_tokens_per_s"], latency if latency is not None else math.inf,
             q.get("score", 0.0) if ctx.score_quality else 0.0)
-
-
-def make_constraints_func(n: int) -> Any:
-    """Optuna constraints_func: the values the objective stored (all violated when a trial has none)."""
-
-    def constraints_func(frozen_trial: Any) -> list[float]:
-        values = frozen_trial.user_attrs.get("constraints")
-        return list(values) if values and len(values) == n else [math.inf] * n
-
-    return constraints_func
 
 
 def pid_tag() -> str:

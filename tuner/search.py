@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.errors import TunerError
-from tuner.objective import SearchContext, TrialFailed, constraint_names, make_constraints_func, objective
+from tuner.objective import SearchContext, TrialFailed, constraint_names, objective
 from tuner.study import answer, open_storage, rows_from_study, trials_csv
 
 STUDY_KEYS = ("model", "primary", "bounds", "device")
@@ -29,14 +29,20 @@ def study_attrs(ctx: SearchContext) -> dict[str, Any]:
             "latency_metric": ctx.primary.key, "latency_target_ms": ctx.primary.limit_ms}
 
 
+def make_sampler(seed: int, n_trials: int) -> Any:
+    """Seeded multivariate TPE; constraints come from each trial's `set_constraint`; constant liar so parallel
+    workers do not pick the same config while one is running."""
+    import optuna
+
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(3, n_trials // 3)),
+                                      multivariate=True, group=True, constant_liar=True)
+
+
 def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_trials: int) -> Any:
     import optuna
 
     storage = open_storage(storage_url)
-    names = constraint_names(ctx)
-    sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=make_constraints_func(len(names)),
-                                         n_startup_trials=min(10, max(3, n_trials // 3)), multivariate=True,
-                                         group=True, warn_independent_sampling=False)
+    sampler = make_sampler(seed, n_trials)
     try:
         study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, load_if_exists=True,
                                     directions=["maximize", "minimize", "maximize"])
@@ -93,10 +99,15 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
 
     callbacks = [on_trial, optuna.study.MaxTrialsCallback(n_trials, states=None)]
     t0 = time.time()
-    if remaining:
-        study.optimize(lambda t: objective(t, ctx), n_trials=remaining,
-                       timeout=parse_duration_s(timeout) if timeout else None, catch=(TrialFailed,),
-                       callbacks=callbacks, gc_after_trial=True)
+    try:
+        if remaining:
+            study.optimize(lambda t: objective(t, ctx), n_trials=remaining,
+                           timeout=parse_duration_s(timeout) if timeout else None, catch=(TrialFailed,),
+                           callbacks=callbacks, gc_after_trial=True)
+    except KeyboardInterrupt:
+        bar.close()
+        write_answer(study, ctx, storage_url, time.time() - t0)  # what finished is kept and summarized
+        raise
     bar.close()
     return write_answer(study, ctx, storage_url, time.time() - t0)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,9 @@ def open_storage(url: str, create: bool = True) -> Any:
         if not path.parent.is_dir():
             raise TunerError(f"storage {url!r}: directory {str(path.parent)!r} does not exist")
     try:
-        return optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=120,
+        # heartbeats: a trial whose worker died (kill -9, lost machine) is marked FAIL by the next worker
+        beat = float(os.environ.get("TUNER_HEARTBEAT_S", "10"))
+        return optuna.storages.RDBStorage(url, heartbeat_interval=int(max(1, beat)), grace_period=int(max(2, 3 * beat)),
                                           engine_kwargs=engine_kwargs(url))
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -26,17 +26,37 @@ def add_config_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--config", metavar="FILE", help="take the configuration from a JSON file (bench or export JSON)")
 
 
-def add_workload_args(p: argparse.ArgumentParser, requests: int = 32) -> None:
-    g = p.add_argument_group("workload")
-    g.add_argument("--requests", type=int, default=requests, help=f"number of requests (default {requests})")
-    g.add_argument("--rate", type=float, default=4.0, help="open-loop arrival rate, req/s (default 4)")
-    g.add_argument("--arrival", default="poisson", help="poisson | constant (default poisson)")
+WORKLOAD_DEFAULTS: dict[str, Any] = {"requests": 32, "rate": 4.0, "arrival": "poisson", "concurrency": None,
+                                     "input_len": "64:256", "output_len": "32:64", "shared_prefix": 0, "trace": None,
+                                     "seed": 0}
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    d = WORKLOAD_DEFAULTS
+    g = p.add_argument_group("workload (with --config FILE, a workload recorded in FILE is the default)")
+    g.add_argument("--requests", type=int, help=f"number of requests (default {d['requests']})")
+    g.add_argument("--rate", type=float, help=f"open-loop arrival rate, req/s (default {d['rate']:g})")
+    g.add_argument("--arrival", help="poisson | constant (default poisson)")
     g.add_argument("--concurrency", type=int, help="closed loop: keep C requests in flight (overrides --rate)")
-    g.add_argument("--input-len", default="64:256", help="prompt tokens A:B, uniform (default 64:256)")
-    g.add_argument("--output-len", default="32:64", help="output tokens A:B, uniform (default 32:64)")
-    g.add_argument("--shared-prefix", type=int, default=0, help="tokens of system prompt shared by all requests")
+    g.add_argument("--input-len", help=f"prompt tokens A:B, uniform (default {d['input_len']})")
+    g.add_argument("--output-len", help=f"output tokens A:B, uniform (default {d['output_len']})")
+    g.add_argument("--shared-prefix", type=int, help="tokens of system prompt shared by all requests (default 0)")
     g.add_argument("--trace", metavar="FILE", help="replay a JSONL trace (prompt, max_tokens, arrival_s)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, help="workload seed (default 0)")
+
+
+def recorded_workload(path: str | None) -> dict[str, Any]:
+    """The workload a bench JSON (`workload`) or an export JSON (`measured.workload`) was measured under."""
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}  # config_from_args reports the problem
+    if not isinstance(data, dict):
+        return {}
+    w = data.get("workload") or (data.get("measured") or {}).get("workload") or {}
+    return {k: v for k, v in w.items() if k in WORKLOAD_DEFAULTS} if isinstance(w, dict) else {}
 
 
 def config_from_args(args: argparse.Namespace) -> TrialConfig:
@@ -68,15 +88,29 @@ def config_from_args(args: argparse.Namespace) -> TrialConfig:
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
-    if args.trace:
+    """Explicit flags, else the workload recorded in --config, else the defaults."""
+    w = dict(WORKLOAD_DEFAULTS)
+    w.update(recorded_workload(getattr(args, "config", None)))
+    for key in WORKLOAD_DEFAULTS:
+        value = getattr(args, key, None)
+        if value is not None:
+            w[key] = value
+    if args.concurrency is not None or (w["concurrency"] and args.rate is None):
+        w["rate"] = None
+    elif args.rate is not None:
+        w["concurrency"] = None
+    if w["trace"]:
         from tuner.workload import read_trace
 
-        read_trace(args.trace)  # validate before loading the model
+        read_trace(w["trace"])  # validate before loading the model
+
+    def span(v: Any, name: str) -> tuple[int, int]:
+        return tuple(v) if isinstance(v, (list, tuple)) else parse_range(str(v), name)  # type: ignore[return-value]
+
     return WorkloadSpec(
-        requests=args.requests, rate=None if args.concurrency else args.rate, arrival=args.arrival,
-        concurrency=args.concurrency, input_len=parse_range(args.input_len, "--input-len"),
-        output_len=parse_range(args.output_len, "--output-len"), shared_prefix=args.shared_prefix,
-        seed=args.seed, trace=args.trace,
+        requests=w["requests"], rate=w["rate"], arrival=w["arrival"], concurrency=w["concurrency"],
+        input_len=span(w["input_len"], "--input-len"), output_len=span(w["output_len"], "--output-len"),
+        shared_prefix=w["shared_prefix"], seed=w["seed"], trace=w["trace"],
     )
 
 

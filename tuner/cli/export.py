@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
         rec = load_trial(args.study, args.storage, args.trial, args.best)
         config, ctx_kw = rec.config, {"study": rec.study, "trial": rec.number, "engine": rec.engine,
-                                      "metrics": rec.metrics}
+                                      "metrics": rec.metrics, "workload": rec.workload}
     else:
         if args.trial is not None or args.best:
             raise TunerError("--trial/--best select a trial of --study; they do not apply to --config")

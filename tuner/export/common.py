@@ -73,6 +73,7 @@ class Context:
     trial: int | None = None
     engine: Mapping[str, Any] | None = None  # {"name", "versions": {...}, "device"}
     metrics: Mapping[str, Any] | None = None
+    workload: Mapping[str, Any] | None = None  # the workload the figures were measured under
     paths: Mapping[str, str] = field(default_factory=dict)
     gpu_memory_gib: float = DEFAULT_GPU_GIB
     params: float | None = None  # parameter count of a checkpoint directory (read from its safetensors headers)
@@ -113,7 +114,8 @@ class Export:
             "config": self.config.to_dict(),
             "source": {"study": ctx.study, "trial": ctx.trial},
             "measured": {"engine": dict(ctx.engine) if ctx.engine else None,
-                         "metrics": dict(ctx.metrics) if ctx.metrics else None},
+                         "metrics": dict(ctx.metrics) if ctx.metrics else None,
+                         "workload": dict(ctx.workload) if ctx.workload else None},
         }
 
     def to_json(self) -> str:

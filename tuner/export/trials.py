@@ -25,6 +25,7 @@ class TrialRecord:
     config: TrialConfig
     engine: dict[str, Any] | None
     metrics: dict[str, Any] | None
+    workload: dict[str, Any] | None = None  # the load the figures were measured under
 
 
 def open_study(name: str, storage: str) -> Any:
@@ -80,5 +81,7 @@ def load_trial(study_name: str, storage: str = DEFAULT_STORAGE, number: int | No
                          "`tuner search` and cannot be exported")
     engine = trial.user_attrs.get("engine")
     metrics = trial.user_attrs.get("metrics")
+    workload = trial.user_attrs.get("workload")
     return TrialRecord(study_name, number, TrialConfig.from_dict(dict(config)),
-                       engine if isinstance(engine, dict) else None, metrics if isinstance(metrics, dict) else None)
+                       engine if isinstance(engine, dict) else None, metrics if isinstance(metrics, dict) else None,
+                       workload if isinstance(workload, dict) else None)
