@@ -43,6 +43,23 @@ def test_tiny_search_recommends_and_resumes(tmp_path):
     assert t0.user_attrs["engine"]["versions"]["transformers"]
     assert study.user_attrs["recommended_trial"] == r["trial"]
 
+    # closed loop: the transformers export of the recommendation re-measures the same configuration and workload
+    exported = tmp_path / "exported.json"
+    proc_x = run_tuner("export", "--study", "tiny", "--storage", storage, "--best", "--to", "transformers",
+                       "-o", str(exported))
+    assert proc_x.returncode == 0, proc_x.stderr[-2000:]
+    again = tmp_path / "again.json"
+    proc_b = run_tuner("bench", "--config", str(exported), "--json", str(again), "--quiet", "--no-bandwidth")
+    assert proc_b.returncode == 0, proc_b.stderr[-2000:]
+    stored = study.trials[r["trial"]].user_attrs["metrics"]
+    re = json.loads(again.read_text())
+    assert re["config"] == r["config"]
+    assert re["workload"] == study.trials[r["trial"]].user_attrs["workload"]
+    assert re["metrics"]["completed"] == stored["completed"]
+    assert re["metrics"]["total_output_tokens"] == stored["total_output_tokens"]  # fixed lengths, same seed
+    ratio = re["metrics"]["output_tokens_per_s"] / stored["output_tokens_per_s"]
+    assert 0.2 < ratio < 5  # timing fidelity is a benchmark (benchmarks/bench_export_fidelity.py), not a test
+
     # the same command with a larger budget resumes the study: finished trials stay, one more is added
     proc2 = search(tmp_path, "--latency-target", "60s", "--trials", "4")
     assert proc2.returncode == 0, proc2.stderr[-3000:]
