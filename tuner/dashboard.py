@@ -45,11 +45,11 @@ def storage_from_argv(argv: Sequence[str], environ: Mapping[str, str]) -> str:
     return known.storage or environ.get(STORAGE_ENV) or DEFAULT_STORAGE
 
 
-def check_storage_url(url: str) -> str:
+def check_storage_url(url: str, what: str = "--storage") -> str:
     """A storage URL the dashboard can read, checked without connecting: its syntax, that SQLAlchemy has its
     driver, and for SQLite that the directory exists (a missing file is fine: the app waits for a search)."""
     if not re.match(r"^[a-z][a-z0-9+]*://", url or ""):
-        raise TunerError(f"--storage {url!r} is invalid: expected an Optuna storage URL such as {DEFAULT_STORAGE} "
+        raise TunerError(f"{what} {url!r} is invalid: expected an Optuna storage URL such as {DEFAULT_STORAGE} "
                          "or postgresql://user:pw@host/db")
     from sqlalchemy.engine import make_url
 
@@ -57,11 +57,11 @@ def check_storage_url(url: str) -> str:
         make_url(url).get_dialect()
     except Exception as e:  # ArgumentError (bad URL), NoSuchModuleError (unknown scheme), ImportError (driver)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TunerError(f"--storage {url!r} is unusable: {msg[:160]}") from None
+        raise TunerError(f"{what} {url!r} is unusable: {msg[:160]}") from None
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///"):])
         if str(path) not in ("", ":memory:") and not path.parent.is_dir():
-            raise TunerError(f"--storage {url!r}: directory {str(path.parent)!r} does not exist")
+            raise TunerError(f"{what} {url!r}: directory {str(path.parent)!r} does not exist")
     return url
 
 
@@ -70,6 +70,16 @@ def open_storage_readonly(url: str) -> Any:
     from tuner.study import open_storage
 
     return open_storage(url, create=False)
+
+
+def display_url(url: str) -> str:
+    """The URL with its password masked (for the page and the terminal)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", url)
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -302,14 +312,14 @@ def _num(x: Any) -> float | None:
 
 def table_rows(views: Sequence[TrialView], info: StudyInfo | None = None,
                recommended: int | None = None) -> list[dict[str, Any]]:
-    """One dict per trial, every trial (failed and pruned ones with their reason), column names as in
-    results/<study>/trials.csv plus the study's latency metric."""
+    """One dict per trial, every trial (failed and pruned ones with their reason, next to their state), column
+    names as in results/<study>/trials.csv plus the study's latency metric."""
     lat = info.latency_field if info else None
     out = []
     for v in views:
         r, m, q, c = v.row, v.row.metrics, v.row.quality, v.row.config
         row: dict[str, Any] = {
-            "number": v.number, "state": v.state,
+            "number": v.number, "state": v.state, "reason": first_line(r.reason),
             "feasible": v.feasible if v.state == "COMPLETE" else None,
             "recommended": v.number == recommended, "baseline": v.baseline,
             "quant": c.get("quant"), "batch_cap": c.get("batch_cap"), "kv_fraction": c.get("kv_fraction"),
@@ -326,7 +336,6 @@ def table_rows(views: Sequence[TrialView], info: StudyInfo | None = None,
             "failed": m.get("failed"), "acceptance_rate": _num(m.get("acceptance_rate")),
             "peak_rss_mb": _num(m.get("peak_rss_mb")), "peak_cuda_mb": _num(m.get("peak_cuda_mb")),
             "cost_per_million_tokens": _num(r.cost), "duration_s": v.duration_s,
-            "reason": first_line(r.reason),
         })
         out.append(row)
     return out

@@ -64,19 +64,22 @@ def check_port(host: str, port: int) -> None:
 def run(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from tuner.dashboard import STORAGE_ENV, check_storage_url
+    from tuner.dashboard import STORAGE_ENV, check_storage_url, display_url
     from tuner.errors import TunerError
     from tuner.study import DEFAULT_STORAGE
 
-    storage = args.storage if args.storage is not None else os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
-    check_storage_url(storage)
+    if args.storage is not None:
+        storage, what = args.storage, "--storage"
+    else:
+        storage, what = os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE, f"${STORAGE_ENV}"
+    check_storage_url(storage, what)
     check_port(args.host, args.port)
     if not APP.is_file():
         raise TunerError(f"dashboard app {str(APP)!r} not found: `tuner dashboard` runs from a source checkout")
     if importlib.util.find_spec("streamlit") is None or importlib.util.find_spec("plotly") is None:
         raise TunerError("streamlit and plotly are not installed: pip install 'tuner[dashboard]'")
     argv = streamlit_argv(APP, storage, args.host, args.port)
-    print(f"tuner dashboard: {storage} at http://{args.host}:{args.port} (Ctrl-C stops)", file=sys.stderr,
+    print(f"tuner dashboard: {display_url(storage)} at http://{args.host}:{args.port} (Ctrl-C stops)", file=sys.stderr,
           flush=True)
     sys.stdout.flush()
     os.execv(argv[0], argv)  # Streamlit replaces this process: signals and the exit code are its own

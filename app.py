@@ -1,0 +1,513 @@
+"""tuner dashboard: `streamlit run app.py [-- --storage URL]` or `tuner dashboard [--storage URL]`.
+
+Reads an Optuna storage written by `tuner search` (default sqlite:///results/tuner.db, or $TUNER_STORAGE) and shows
+a study's Pareto view, its trials, one trial in detail, why the recommendation was made, and the selected trial's
+serving configs. While a search runs, the page reloads when trials start or finish. Layout only: the data shaping
+lives in tuner/dashboard.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import streamlit as st
+
+from tuner import dashboard as dash
+
+st.set_page_config(page_title="tuner dashboard", layout="wide")  # no page_icon: a material one is fetched online
+
+STORAGE = dash.storage_from_argv(sys.argv[1:], os.environ)
+SEARCH_HINT = ("Run a search first, e.g. `tuner search --model smollm2-135m --latency-target 3s`, or point the "
+               "dashboard at another storage: `tuner dashboard --storage URL`.")
+
+
+# ------------------------------------------------------------------------------------------------- loading --- #
+@st.cache_resource(show_spinner=False)
+def storage(url: str) -> Any:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return dash.open_storage_readonly(url)  # a TunerError is not cached: a file created later is picked up
+
+
+def study_names(url: str) -> list[str]:
+    import optuna
+
+    return sorted(optuna.study.get_all_study_names(storage(url)))
+
+
+def load(url: str, name: str) -> tuple[Any, list[Any]]:
+    import optuna
+
+    study = optuna.load_study(study_name=name, storage=storage(url))
+    return study, study.get_trials(deepcopy=False)
+
+
+def page_signature(url: str, name: str | None) -> Any:
+    """Cheap fingerprint of what the page shows: the studies and the selected study's trial states."""
+    try:
+        names = study_names(url)
+        if name not in names:
+            return ("studies", tuple(names))
+        return ("trials", tuple(names), dash.signature(load(url, name)[1]))
+    except Exception as e:  # a missing or locked database is retried at the next check
+        return ("error", f"{type(e).__name__}: {e}")
+
+
+# ------------------------------------------------------------------------------------------------- sidebar --- #
+def sidebar() -> str | None:
+    """The study to show (None, with a friendly message, when there is none)."""
+    st.sidebar.title("tuner")
+    st.sidebar.caption(f"storage `{dash.display_url(STORAGE)}`")
+    try:
+        names = study_names(STORAGE)
+    except Exception as e:  # TunerError (missing file, bad URL), or the database refusing a read right now
+        st.sidebar.warning("no storage yet")
+        path = dash.sqlite_path(STORAGE)
+        if path is not None and not path.is_file():
+            st.info(f"No study database at `{path}` yet. {SEARCH_HINT}", icon=":material/info:")
+        else:
+            msg = dash.first_line(str(e)) or type(e).__name__
+            st.info(f"The storage cannot be read: {msg}. {SEARCH_HINT}", icon=":material/info:")
+        return None
+    if not names:
+        st.info(f"The storage `{dash.display_url(STORAGE)}` has no study yet. {SEARCH_HINT}",
+                icon=":material/info:")
+        return None
+    wanted = st.query_params.get("study")
+    if "study" not in st.session_state or st.session_state["study"] not in names:
+        st.session_state["study"] = wanted if wanted in names else names[-1]
+    name = st.sidebar.selectbox("Study", names, key="study", help="studies in this storage")
+    st.query_params["study"] = name
+    return name
+
+
+def live_controls(name: str | None) -> None:
+    live = st.sidebar.toggle("Live refresh", value=True, key="live",
+                             help="reload the page when trials start or finish (while a search runs)")
+    every = st.sidebar.select_slider("Check every", options=[2, 5, 10, 30, 60], value=5, key="every",
+                                     format_func=lambda s: f"{s} s", disabled=not live)
+    st.session_state["sig"] = page_signature(STORAGE, name)
+
+    def watch() -> None:
+        sig = page_signature(STORAGE, name)
+        st.caption(f"checked {time.strftime('%H:%M:%S')}")
+        if sig != st.session_state.get("sig"):
+            st.session_state["sig"] = sig
+            st.rerun(scope="app")
+
+    with st.sidebar:
+        if live:
+            st.fragment(watch, run_every=every)()
+        else:
+            st.caption("live refresh off")
+
+
+# ---------------------------------------------------------------------------------------------- the study --- #
+def header(info: dash.StudyInfo, views: list[dash.TrialView], rec: int | None) -> None:
+    st.title(f"{info.name}")
+    bits = [f"model **{info.model}**" if info.model else None,
+            f"target **{info.primary}**" if info.primary else None,
+            "quality not scored" if (info.attrs.get("quality") or {}).get("scored") is False else
+            f"quality budget **{info.max_quality_drop:g} pp**" if isinstance(info.max_quality_drop, (int, float))
+            else None]
+    st.markdown(" · ".join(b for b in bits if b) or "a study not written by `tuner search`")
+    c = dash.state_counts(views)
+    cols = st.columns(6)
+    cols[0].metric("trials", c["trials"])
+    cols[1].metric("complete", c["COMPLETE"])
+    cols[2].metric("feasible", c["feasible"])
+    cols[3].metric("pruned", c["PRUNED"])
+    cols[4].metric("failed", c["FAIL"])
+    cols[5].metric("running", c["RUNNING"] + c["WAITING"])
+    if rec is not None:
+        best = next((v for v in views if v.number == rec), None)
+        if best is not None:
+            st.success(f"Recommended: **trial {rec}** — {dash.config_text(best.row.config)} — "
+                       f"**{best.row.tok_s:.2f} output tok/s**", icon=":material/star:")
+
+
+def trial_label(v: dash.TrialView) -> str:
+    """What never changes about a trial (the browser keeps showing the label a selection was made with)."""
+    return f"#{v.number} · {dash.config_text(v.row.config)}" + (" · baseline" if v.baseline else "")
+
+
+def trial_status(v: dash.TrialView, rec: int | None) -> str:
+    tags = [v.state.lower()]
+    if v.state == "COMPLETE":
+        tags.append("feasible" if v.feasible else "infeasible")
+    if v.number == rec:
+        tags.append("**recommended**")
+    return ", ".join(tags)
+
+
+def select_trial(views: list[dash.TrialView], rec: int | None) -> dash.TrialView:
+    views = [v for v in views if v.row.config] or views  # a trial gets its config as soon as it starts
+    numbers = [v.number for v in views]
+    by_number = {v.number: v for v in views}
+    if st.session_state.get("trial") not in numbers:
+        finished = [v for v in views if v.state == "COMPLETE"]
+        default = rec if rec in numbers else (max(finished, key=lambda v: v.row.tok_s).number if finished
+                                              else numbers[-1])
+        st.session_state["trial"] = default
+    n = st.selectbox("Selected trial (also: click a point or a table row)", numbers, key="trial",
+                     format_func=lambda k: trial_label(by_number[k]))
+    st.caption(f"trial {n}: {trial_status(by_number[n], rec)}")
+    return by_number[n]
+
+
+def pick_from_chart() -> None:
+    state = st.session_state.get("pareto_chart")
+    points = (state or {}).get("selection", {}).get("points", []) if state else []
+    for p in points:
+        cd = p.get("customdata")
+        num = cd[0] if isinstance(cd, (list, tuple)) else cd
+        if isinstance(num, (int, float)):
+            st.session_state["trial"] = int(num)
+            return
+
+
+def pick_from_table() -> None:
+    state = st.session_state.get("trials_table")
+    rows = (state or {}).get("selection", {}).get("rows", []) if state else []
+    shown = st.session_state.get("_table_numbers", [])
+    if rows and rows[0] < len(shown):
+        st.session_state["trial"] = shown[rows[0]]
+
+
+# ------------------------------------------------------------------------------------------------ sections --- #
+def pareto_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | None) -> None:
+    import plotly.colors
+    import plotly.graph_objects as go
+
+    fields = dash.axis_fields(views, info)
+    if not fields:
+        st.info("No trial has metrics yet.")
+        return
+    default_x = info.latency_field if info.latency_field in fields else fields[0]
+    for key in ("x_axis", "y_axis"):  # a choice made on another study that this one lacks
+        if key in st.session_state and st.session_state[key] not in fields:
+            del st.session_state[key]
+    c1, c2 = st.columns(2)
+    x = c1.selectbox("x axis", fields, index=fields.index(default_x), format_func=dash.field_label, key="x_axis")
+    y = c2.selectbox("y axis", fields, index=fields.index(dash.THROUGHPUT) if dash.THROUGHPUT in fields else 0,
+                     format_func=dash.field_label, key="y_axis")
+    points = dash.chart_points(views, x, y, info, rec)
+    qrange = dash.quality_range(points)
+
+    def colour(q: float | None) -> str:
+        if q is None or qrange is None:
+            return "#9e9e9e"
+        t = (q - qrange[0]) / (qrange[1] - qrange[0])
+        return plotly.colors.sample_colorscale("Viridis", [min(1.0, max(0.0, t))])[0]
+
+    fig = go.Figure()
+    for feasible, name, symbol in ((True, "feasible", "circle"), (False, "infeasible", "x")):
+        pts = [p for p in points if p["feasible"] is feasible]
+        fig.add_trace(go.Scatter(
+            x=[p["x"] for p in pts], y=[p["y"] for p in pts], mode="markers+text", name=name,
+            text=[str(p["number"]) for p in pts], textposition="top center", textfont={"size": 10},
+            customdata=[[p["number"]] for p in pts], hovertext=[p["hover"] for p in pts],
+            hovertemplate="%{hovertext}<extra></extra>",
+            marker={"symbol": symbol, "size": 13, "color": [colour(p["quality"]) for p in pts],
+                    "line": {"width": 1, "color": "#333"}}))
+    front = dash.pareto_line(points, dash.direction(x), dash.direction(y))
+    if front:
+        fig.add_trace(go.Scatter(x=[p["x"] for p in front], y=[p["y"] for p in front], mode="lines+markers",
+                                 name="Pareto front (feasible)", marker={"size": 5, "color": "#1f77b4"},
+                                 hoverinfo="skip",
+                                 line={"color": "#1f77b4", "width": 2, "dash": "dot"}))
+    for p in points:
+        if p["recommended"]:
+            fig.add_trace(go.Scatter(x=[p["x"]], y=[p["y"]], mode="markers", name=f"recommended (trial "
+                                     f"{p['number']})", customdata=[[p["number"]]], hovertext=[p["hover"]],
+                                     hovertemplate="%{hovertext}<extra></extra>",
+                                     marker={"symbol": "star-open", "size": 28, "color": "#d62728",
+                                             "line": {"width": 2.5, "color": "#d62728"}}))
+    if qrange is not None:  # a marker-less trace that carries the quality colour bar
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
+                                 marker={"colorscale": "Viridis", "cmin": qrange[0], "cmax": qrange[1],
+                                         "color": [qrange[0]], "showscale": True,
+                                         "colorbar": {"title": {"text": "quality"}, "thickness": 14}}))
+    for line in dash.target_lines(info, x, y):
+        add = fig.add_vline if line["axis"] == "x" else fig.add_hline
+        add(line["value"], line_dash="dash", line_color="#d62728", annotation_text=line["label"],
+            annotation_position="top left" if line["axis"] == "x" else "bottom right")
+    fig.update_layout(height=520, margin={"l": 10, "r": 10, "t": 30, "b": 10},
+                      xaxis_title=dash.field_label(x), yaxis_title=dash.field_label(y),
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0})
+    st.plotly_chart(fig, key="pareto_chart", on_select=pick_from_chart, selection_mode="points",
+                    config={"displaylogo": False})
+    n_front = len(front)
+    st.caption(f"{len(points)} of {len(views)} trials plotted (trials without both values are left out) · "
+               f"colour = quality score" + ("" if qrange else " (not scored: grey)") + " · "
+               + (f"{n_front} trial(s) on the feasible front of these two axes" if front else
+                  "no front for these axes" if dash.direction(x) is None or dash.direction(y) is None else
+                  "no feasible trial yet"))
+
+
+def trials_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | None, study: str) -> None:
+    from tuner.study import trials_csv
+
+    rows = dash.table_rows(views, info, rec)
+    formats = sorted({r["quant"] for r in rows if r["quant"]})
+    states = sorted({r["state"] for r in rows})
+    c1, c2, c3 = st.columns([2, 1, 2])  # an empty selection means all (new formats and states included)
+    fmts = c1.multiselect("Format", formats, key="f_formats", placeholder="all formats")
+    feas = c2.selectbox("Feasibility", ["all", "feasible", "infeasible"], key="f_feasible")
+    sts = c3.multiselect("State", states, key="f_states", placeholder="all states")
+    shown = dash.filter_rows(rows, fmts or None, feas, sts or None)
+    st.session_state["_table_numbers"] = [r["number"] for r in shown]
+    st.caption(f"{len(shown)} of {len(rows)} trials shown · click a column header to sort, a row to select it")
+    cc = st.column_config
+    ms_columns = {k: cc.NumberColumn(k.replace("_ms", " (ms)").replace("_", " "), format="%.0f")
+                  for k in (rows[0] if rows else {}) if k.endswith("_ms")}
+    st.dataframe(shown, hide_index=True, key="trials_table", on_select=pick_from_table,
+                 selection_mode="single-row", width="stretch", column_config={
+                     "number": cc.NumberColumn("trial", format="%d"),
+                     "recommended": cc.CheckboxColumn("★"),
+                     "output_tokens_per_s": cc.NumberColumn("output tok/s", format="%.2f"),
+                     "kv_fraction": cc.NumberColumn("KV fraction", format="%.4f"),
+                     **ms_columns,
+                     "acceptance_rate": cc.NumberColumn("acceptance", format="%.2f"),
+                     "drop_pp": cc.NumberColumn("drop pp", format="%.2f"),
+                     "peak_rss_mb": cc.NumberColumn("peak RSS MB", format="%.0f"),
+                     "peak_cuda_mb": cc.NumberColumn("peak CUDA MB", format="%.0f"),
+                     "quality_score": cc.NumberColumn("quality", format="%.3f"),
+                     "quality_stderr": cc.NumberColumn("± stderr", format="%.3f"),
+                     "cost_per_million_tokens": cc.NumberColumn("$/1M tok", format="%.2f"),
+                     "duration_s": cc.NumberColumn("duration (s)", format="%.0f"),
+                     "reason": cc.TextColumn("reason", width="medium", help="why a trial failed or was pruned"),
+                 })
+    st.download_button("Download trials.csv", trials_csv([v.row for v in views]), file_name=f"{study}-trials.csv",
+                       mime="text/csv", on_click="ignore", key="dl_csv")
+
+
+CONSTRAINT_COLUMNS = {"value": st.column_config.NumberColumn("value (≤ 0 satisfied)", format="%.2f"),
+                      "slack": st.column_config.NumberColumn("slack", format="%.2f")}
+
+
+def detail_tab(v: dash.TrialView, info: dash.StudyInfo) -> None:
+    import plotly.graph_objects as go
+
+    d = dash.detail(v)
+    st.subheader(f"Trial {v.number} — {v.state}" + (" (baseline)" if v.baseline else ""))
+    if d["reason"]:
+        (st.error if v.state == "FAIL" else st.warning)(f"{v.state.lower()}: {d['reason']}")
+    left, right = st.columns([1, 2])
+    with left:
+        st.markdown("**Config**")
+        st.json(d["config"], expanded=True)
+        cols = st.columns(2)
+        if d["output_tokens_per_s"] is not None:
+            cols[0].metric("output tok/s", f"{d['output_tokens_per_s']:.2f}")
+        if d["completed"] is not None:
+            cols[1].metric("requests ok / failed", f"{d['completed']} / {d['failed']}")
+        mem = [("peak RSS", d["peak_rss_mb"]), ("peak CUDA", d["peak_cuda_mb"])]
+        for col, (label, val) in zip(st.columns(2), mem):
+            col.metric(label, f"{val:.0f} MB" if val is not None else "—")
+        if d["uses_draft"]:
+            st.metric("draft acceptance rate", f"{d['acceptance_rate']:.2f}" if d["acceptance_rate"] is not None
+                      else "not recorded")
+        else:
+            st.caption("no speculative draft (acceptance rate does not apply)")
+    with right:
+        samples = dash.latency_samples(v.requests)
+        if any(samples.values()):
+            fig = go.Figure()
+            for key, name, col in (("ttft_ms", "TTFT", "#1f77b4"), ("e2e_ms", "E2E", "#ff7f0e")):
+                xs, ys = dash.ecdf(samples[key])
+                fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", line_shape="hv", name=name,
+                                         line={"color": col}))
+            for line in dash.target_lines(info, "ttft_ms.p99", "e2e_ms.p99"):  # a TTFT/E2E target on this scale
+                biggest = max(samples["ttft_ms"] + samples["e2e_ms"])
+                if line["value"] <= 2 * biggest:
+                    fig.add_vline(line["value"], line_dash="dash", line_color="#d62728",
+                                  annotation_text=line["label"])
+                else:
+                    st.caption(f"{line['label']} is far right of these latencies (off the chart)")
+            fig.update_layout(height=330, margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                              title=f"latency of its {len(v.requests)} requests (CDF)", xaxis_title="ms",
+                              yaxis_title="share of requests", yaxis_range=[0, 1.02])
+            st.plotly_chart(fig, key="latency_cdf")
+        else:
+            st.info("No per-request latencies recorded for this trial.")
+        if d["percentiles"]:
+            st.dataframe([{"metric (ms)": k.replace("_ms", "").upper(), **{s: val for s, val in p.items()}}
+                          for k, p in d["percentiles"].items()], hide_index=True, width="stretch",
+                         column_config={s: st.column_config.NumberColumn(s, format="%.1f")
+                                        for s in ("p50", "p90", "p95", "p99", "mean")})
+        if d["tasks"]:
+            st.markdown("**Quality per task** (accuracy ± standard error)")
+            q = d["quality"]
+            st.caption(f"suite score {q.get('score', float('nan')):.3f} ± {q.get('score_stderr', float('nan')):.3f}"
+                       + (f" · drop {q['drop_pp']:+.2f} pp vs baseline" if "drop_pp" in q else "")
+                       + (f" · {q['limit']} examples per task" if "limit" in q else ""))
+            tfig = go.Figure(go.Bar(x=[t["task"] for t in d["tasks"]], y=[t["acc"] for t in d["tasks"]],
+                                    error_y={"type": "data", "array": [t["acc_stderr"] or 0 for t in d["tasks"]]}))
+            tfig.update_layout(height=260, margin={"l": 10, "r": 10, "t": 10, "b": 10}, yaxis_range=[0, 1],
+                               yaxis_title="accuracy")
+            st.plotly_chart(tfig, key="quality_tasks")
+            st.dataframe(d["tasks"], hide_index=True, width="stretch")
+        elif v.state == "COMPLETE":
+            st.caption("quality not scored for this trial")
+    if d["failed_requests"]:
+        with st.expander(f"{len(d['failed_requests'])} failed request(s)"):
+            st.code("\n".join(str(x) for x in d["failed_requests"]), language=None)
+    if d["constraints"] is not None:
+        st.markdown("**Constraints** (≤ 0 is satisfied)")
+        st.dataframe(dash.constraint_table(info.constraint_names, d["constraints"]), hide_index=True,
+                     column_config=CONSTRAINT_COLUMNS)
+
+
+def why_tab(views: list[dash.TrialView], trials: list[Any], info: dash.StudyInfo) -> None:
+    import plotly.graph_objects as go
+
+    w = dash.why(views, info)
+    if "message" in w:
+        st.info(w["message"])
+    else:
+        a = w["answer"]
+        rec = a.get("recommendation")
+        if rec:
+            st.markdown(f"### Trial {rec['trial']}: {dash.config_text(rec['config'])}")
+            cols = st.columns(4)
+            cols[0].metric("output tok/s", f"{rec['output_tokens_per_s']:.2f}")
+            lat = rec.get("latency_ms")
+            cols[1].metric(f"{info.latency_metric}", f"{lat:.0f} ms" if lat is not None else "—",
+                           help=f"target {info.primary}")
+            gain = rec.get("gain_over_baseline")
+            cols[2].metric("gain over baseline", f"{gain:.2f}×" if gain else "—",
+                           help="output tok/s of the recommendation / of the engine-default baseline (trial 0)")
+            q = (rec.get("quality") or {}).get("score")
+            cols[3].metric("quality", f"{q:.3f}" if q is not None else "not scored")
+            base = a.get("baseline")
+            st.markdown(
+                f"It is the feasible configuration with the highest output throughput: **{a['n_feasible']}** of "
+                f"**{a['n_trials']}** trials met every constraint ({a['n_pruned']} pruned, {a['n_failed']} "
+                "failed). " + (f"The baseline (trial {base['trial']}: {dash.config_text(base['config'])}) "
+                               f"served {base['output_tokens_per_s']:.2f} tok/s. " if base else "")
+                + f"**Binding constraint:** {rec.get('binding_constraint')}.")
+            st.dataframe(w.get("constraints", []), hide_index=True, column_config=CONSTRAINT_COLUMNS)
+            if a.get("runners_up"):
+                st.markdown("**Runners-up**")
+                st.dataframe([{"trial": r["trial"], "config": dash.config_text(r["config"]),
+                               "output tok/s": r["output_tokens_per_s"], "vs recommendation": r["vs_best"]}
+                              for r in a["runners_up"]], hide_index=True)
+        else:
+            st.warning("No feasible configuration yet.")
+            c = a.get("closest")
+            if c:
+                st.markdown(f"Closest miss: **trial {c['trial']}** ({dash.config_text(c['config'])}), "
+                            f"missing: " + ", ".join(f"{k} by {v:g}" for k, v in c["misses"].items()))
+                st.dataframe(w.get("constraints", []), hide_index=True, column_config=CONSTRAINT_COLUMNS)
+        if a.get("pareto_front"):
+            st.markdown("**Feasible Pareto front** (output tok/s, latency, quality)")
+            st.dataframe([{"trial": p["trial"], "config": dash.config_text(p["config"]),
+                           "output tok/s": p["output_tokens_per_s"], "latency ms": p["latency_ms"],
+                           "quality": (p.get("quality") or {}).get("score")} for p in a["pareto_front"]],
+                         hide_index=True)
+    st.markdown("#### Parameter importance (fANOVA)")
+    imps = importances(tuple(dash.signature(trials)), info.name)
+    cols = st.columns(2)
+    for col, (label, res) in zip(cols, imps.items()):
+        with col:
+            title = "throughput (output tok/s)" if label == "throughput" else f"latency ({info.latency_metric})"
+            if "importances" in res:
+                items = sorted(res["importances"].items(), key=lambda kv: kv[1])
+                fig = go.Figure(go.Bar(x=[v for _, v in items], y=[k for k, _ in items], orientation="h"))
+                fig.update_layout(height=220, margin={"l": 10, "r": 10, "t": 40, "b": 10}, title=title,
+                                  xaxis_title="share of variance", xaxis_range=[0, 1])
+                st.plotly_chart(fig, key=f"imp_{label}")
+            else:
+                st.markdown(f"**{title}**")
+                st.info(f"Importance {res['message']}.")
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def importances(sig: tuple, name: str) -> dict[str, dict[str, Any]]:
+    study, trials = load(STORAGE, name)
+    return dash.param_importances(trials, study.directions)
+
+
+def export_tab(v: dash.TrialView, study: str) -> None:
+    from tuner.export.locate import locate
+
+    st.subheader(f"Serving configs for trial {v.number}")
+    if v.state != "COMPLETE" or not v.row.config:
+        st.info(f"Trial {v.number} is {v.state}: only COMPLETE trials can be exported. Select another trial.")
+        return
+    conf = dash.config_json(v)
+    st.markdown("**Trial config** (`tuner bench --config`, `tuner export --config`)")
+    st.code(json.dumps(json.loads(conf), indent=2), language="json")
+    st.download_button("Download config.json", conf + "\n", file_name=f"{study}-trial{v.number}-config.json",
+                       mime="application/json", on_click="ignore", key=f"dl_conf_{v.number}")
+    exps = dash.exports(v, study, paths=locate)
+    tabs = st.tabs([e["target"] for e in exps])
+    for tab, e in zip(tabs, exps):
+        with tab:
+            if "error" in e:
+                st.error(e["error"])
+                continue
+            st.markdown(f"**{e['engine']}** — equivalent to `tuner export --study {study} --trial {v.number} "
+                        f"--to {e['target']}`")
+            st.code(e["command"], language="bash")
+            if e["warnings"]:
+                st.warning("\n".join(f"- {w}" for w in e["warnings"]))
+            for fname, text in e["files"].items():
+                st.markdown(f"`{fname}`")
+                lang = {"sh": "bash", "py": "python", "yaml": "yaml", "json": "json"}.get(fname.rsplit(".", 1)[-1])
+                st.code(text, language=lang)
+                st.download_button(f"Download {fname}", text, file_name=fname, on_click="ignore",
+                                   key=f"dl_{e['target']}_{fname}_{v.number}")
+            st.download_button("Download export JSON", e["json"], file_name=f"{study}-trial{v.number}-"
+                               f"{e['target']}.json", mime="application/json", on_click="ignore",
+                               key=f"dl_{e['target']}_json_{v.number}")
+            with st.expander("How each knob carried over"):
+                st.markdown("\n".join(f"- {n}" for n in e["notes"]))
+
+
+# ---------------------------------------------------------------------------------------------------- main --- #
+def main() -> None:
+    name = sidebar()
+    live_controls(name)
+    if name is None:
+        return
+    try:
+        study, trials = load(STORAGE, name)
+    except Exception as e:  # deleted meanwhile, or the database refusing a read right now
+        st.info(f"Study `{name}` cannot be read right now ({dash.first_line(str(e)) or type(e).__name__}); "
+                "the page tries again at the next refresh.")
+        return
+    info = dash.study_info(name, study.user_attrs)
+    views = dash.trial_views(trials)
+    if not any(v.finished for v in views):
+        running = sum(v.state in ("RUNNING", "WAITING") for v in views)
+        st.title(name)
+        st.info(f"Study `{name}` has no finished trial yet"
+                + (f" ({running} running: this page reloads when one finishes)." if running else ".")
+                + " Trials appear here as the search completes them.", icon=":material/hourglass_top:")
+        return
+    ans = dash.study_answer(views, info)
+    rec = dash.recommended_number(ans, info)
+    header(info, views, rec)
+    selected = select_trial(views, rec)
+    t_pareto, t_trials, t_detail, t_why, t_export = st.tabs(
+        ["Pareto", "Trials", "Trial detail", "Why this one", "Export"])
+    with t_pareto:
+        pareto_tab(views, info, rec)
+    with t_trials:
+        trials_tab(views, info, rec, name)
+    with t_detail:
+        detail_tab(selected, info)
+    with t_why:
+        why_tab(views, trials, info)
+    with t_export:
+        export_tab(selected, name)
+
+
+main()
