@@ -59,7 +59,12 @@ def quantization_config(quant: str, device: str) -> Any:
     import torch
 
     if quant.startswith("bnb-"):
+        import warnings
+
         from transformers import BitsAndBytesConfig
+
+        # LLM.int8() warns on every matmul that bf16 inputs are cast to fp16: once is information, not per token
+        warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
 
         if quant == "bnb-int8":
             return BitsAndBytesConfig(load_in_8bit=True)
