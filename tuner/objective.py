@@ -46,27 +46,28 @@ class SearchContext:
     quality_memo: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def bench_args(config_path: Path, out_path: Path, ctx: SearchContext) -> list[str]:
+def bench_args(config_path: Path, out_path: Path, ctx: SearchContext, early_stop: bool = True) -> list[str]:
     w = ctx.workload
     args = ["bench", "--config", str(config_path), "--json", str(out_path), "--quiet", "--no-bandwidth",
             "--requests", str(w.requests), "--input-len", f"{w.input_len[0]}:{w.input_len[1]}",
             "--output-len", f"{w.output_len[0]}:{w.output_len[1]}", "--shared-prefix", str(w.shared_prefix),
-            "--seed", str(w.seed), "--arrival", w.arrival,
-            "--stop-if", ";".join(str(b) for b in ctx.bounds)]
+            "--seed", str(w.seed), "--arrival", w.arrival]
+    if early_stop:
+        args += ["--stop-if", ";".join(str(b) for b in ctx.bounds)]
     args += ["--concurrency", str(w.concurrency)] if w.concurrency else ["--rate", str(w.rate)]
     if w.trace:
         args += ["--trace", w.trace]
     return args
 
 
-def measure(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[str, Any]:
+def measure(config: TrialConfig, ctx: SearchContext, trial_dir: Path, early_stop: bool = True) -> dict[str, Any]:
     """Bench `config` in a child process. Returns the bench JSON, or {'status': 'failed', 'reason': ...}."""
     trial_dir.mkdir(parents=True, exist_ok=True)
     cfg = trial_dir / "config.json"
     cfg.write_text(config.to_json())
     out = trial_dir / "bench.json"
     out.unlink(missing_ok=True)
-    res = run_child(bench_args(cfg, out, ctx), trial_dir / "bench.log", ctx.trial_timeout_s)
+    res = run_child(bench_args(cfg, out, ctx, early_stop), trial_dir / "bench.log", ctx.trial_timeout_s)
     if out.is_file():
         data = json.loads(out.read_text())
         data["child_wall_s"] = res.wall_s
@@ -123,7 +124,8 @@ def objective(trial: Any, ctx: SearchContext) -> tuple[float, float, float]:
     config = suggest_config(trial, ctx.space, ctx.model, ctx.device)
     trial.set_user_attr("config", config.to_dict())
     trial_dir = ctx.study_dir / "trials" / f"{trial.number:04d}"
-    bench = measure(config, ctx, trial_dir)
+    # the engine-default baseline always runs to the end (never pruned), so the gain over it is always known
+    bench = measure(config, ctx, trial_dir, early_stop=not trial.user_attrs.get("baseline"))
     for key in ("engine", "environment", "workload", "load_s", "child_wall_s"):
         if key in bench:
             trial.set_user_attr(key, bench[key])
