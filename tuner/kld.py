@@ -100,7 +100,7 @@ def chunk_logprobs(model: Any, chunk: np.ndarray, n_scored: int) -> Any:
 
 
 def to_codes(logprobs: Any) -> Any:
-    """log-probs -> int32 grid codes round(-lp / LP_STEP) (unclamped)."""
+    """log-probs -> int64 grid codes round(-lp / LP_STEP) (unclamped)."""
     import torch
 
     return torch.round(-logprobs.double() / LP_STEP).to(torch.int64)
@@ -111,7 +111,7 @@ def token_kld(ref_codes: np.ndarray, ref_top1: np.ndarray, logprobs: Any) -> tup
     import torch
 
     ref = torch.from_numpy(ref_codes.astype(np.int64))
-    cand = to_codes(logprobs)
+    cand = to_codes(logprobs.clamp(min=-1e4))  # a -inf log-prob (masked token) stays finite on the grid
     mask = ref < CODE_MAX
     p = torch.exp(-ref.double() * LP_STEP) * mask
     kld = (p * (cand - ref).double() * LP_STEP).sum(dim=-1)

@@ -1,15 +1,34 @@
-"""Run (or resume) an Optuna study over the four knobs and write its answer.
+"""Run (or resume, or join) an Optuna study over the four knobs and write its answer.
 
 Study: three objectives (output tok/s max, primary latency min, quality max) with constraints, a seeded TPE
-sampler, the engine-default baseline enqueued as trial 0, heartbeats so a killed worker's trial is marked failed,
-and a trial budget that counts the whole study (re-running the same command resumes up to the budget).
+sampler, the engine-default baseline enqueued as trial 0, and a trial budget that counts the whole study.
+
+Reliability contract:
+  * every trial's heavy work runs in a child process (`tuner.child`); whatever goes wrong in a trial (the child
+    crashing, running out of its memory, hanging past its time limit, an exception anywhere in the objective)
+    ends that trial as FAIL (or PRUNED) with a one-line `reason` user attr, and the search goes on;
+  * a worker that dies mid-trial (`kill -9`, a lost machine) leaves a RUNNING trial that the next worker marks
+    FAIL with a reason: at once when the dead worker ran on this host (its pid is gone), else when its heartbeat
+    is older than the grace period (RDB storages, `TUNER_HEARTBEAT_S`);
+  * several workers (`tuner search` / `tuner worker` on the same --study and --storage) share the budget: a
+    storage-wide lock (a file lock next to a SQLite or journal file, a PostgreSQL advisory lock) is held while a
+    worker counts the study's trials, creates its trial and samples its configuration, so N workers together
+    create exactly --trials trials, the baseline is enqueued once, and no two workers sample while blind to each
+    other (TPE's constant liar sees every running trial's parameters). The sampler's random state is re-seeded from
+    (seed, trial number), so resumed runs and parallel workers never replay the same random draws.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import signal
+import socket
+import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +37,8 @@ from tuner.objective import SearchContext, TrialFailed, constraint_names, object
 from tuner.study import answer, open_storage, rows_from_study, trials_csv
 
 STUDY_KEYS = ("model", "primary", "bounds", "device")
+LOCK_SUFFIX = ".tuner-lock"
+PG_LOCK_KEY = zlib.crc32(b"tuner-search-storage-lock")  # one advisory lock per PostgreSQL database
 
 
 def study_attrs(ctx: SearchContext) -> dict[str, Any]:
@@ -29,20 +50,145 @@ def study_attrs(ctx: SearchContext) -> dict[str, Any]:
             "latency_metric": ctx.primary.key, "latency_target_ms": ctx.primary.limit_ms}
 
 
+# -------------------------------------------------------------------------------------------- sampler --- #
 def make_sampler(seed: int, n_trials: int) -> Any:
     """Seeded multivariate TPE; constraints come from each trial's `set_constraint`; constant liar so parallel
-    workers do not pick the same config while one is running."""
+    workers do not pick the same config while one is running; random state re-seeded per trial number."""
     import optuna
 
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(3, n_trials // 3)),
-                                      multivariate=True, group=True, constant_liar=True)
+    class TrialSeededTPESampler(optuna.samplers.TPESampler):
+        """TPE whose random draws for trial k depend on (seed, k) only, not on how many trials this process has
+        sampled before: a resumed study or a second worker does not repeat the first worker's random startup
+        configurations, and a one-worker run is still reproducible."""
+
+        def __init__(self, seed: int, **kwargs: Any) -> None:
+            super().__init__(seed=seed, **kwargs)
+            self._base_seed = seed
+
+        def before_trial(self, study: Any, trial: Any) -> None:
+            s = (self._base_seed * 1_000_003 + trial.number * 7_919) % 2**32
+            self._rng.rng.seed(s)
+            self._random_sampler._rng.rng.seed((s + 1) % 2**32)
+            super().before_trial(study, trial)
+
+    return TrialSeededTPESampler(seed=seed, n_startup_trials=min(10, max(3, n_trials // 3)),
+                                 multivariate=True, group=True, constant_liar=True)
 
 
-def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_trials: int) -> Any:
+# ---------------------------------------------------------------------------------------------- lock --- #
+def sqlalchemy_url(url: str) -> str:
+    """`postgresql://` with psycopg2 when psycopg (v3, SQLAlchemy 2.1's default driver) is missing, as
+    `tuner.study.open_storage` does."""
+    import importlib.util
+
+    if url.startswith(("postgresql://", "postgres://")) and importlib.util.find_spec("psycopg") is None \
+            and importlib.util.find_spec("psycopg2") is not None:
+        return "postgresql+psycopg2://" + url.split("://", 1)[1]
+    return url
+
+
+class StorageLock:
+    """A lock shared by every worker of a storage: `fcntl.flock` on `<file>.tuner-lock` next to a SQLite or journal
+    file, `pg_advisory_lock` on PostgreSQL (released by the server if the worker dies). Other storages get a
+    process-local lock only. Re-entrant acquire is not supported; `release` is idempotent."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.held = False
+        self._fd: int | None = None
+        self._path: Path | None = None
+        self._created = False
+        self._conn: Any = None
+        self._engine: Any = None
+
+    @staticmethod
+    def file_for(url: str) -> Path | None:
+        for prefix in ("sqlite:///", "journal:///"):
+            if url.startswith(prefix):
+                p = url[len(prefix):]
+                return None if p in ("", ":memory:") else Path(p + LOCK_SUFFIX)
+        return None
+
+    def acquire(self) -> None:
+        if self.held:
+            return
+        if self.url.startswith(("postgresql", "postgres:")):
+            self._pg_acquire()
+        else:
+            path = self.file_for(self.url)
+            if path is not None and path.parent.is_dir():
+                import fcntl
+
+                if self._fd is None:
+                    self._created = not path.exists()
+                    self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                    self._path = path
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self.held = True
+
+    def _pg_acquire(self) -> None:
+        if self._conn is None:
+            import sqlalchemy
+
+            try:
+                self._engine = sqlalchemy.create_engine(sqlalchemy_url(self.url), poolclass=sqlalchemy.pool.NullPool)
+                self._conn = self._engine.connect()
+                self._conn.execution_options(isolation_level="AUTOCOMMIT")
+            except Exception as e:
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise TunerError(f"storage {self.url!r} is unreachable: {msg[:200]}") from None
+        from sqlalchemy import text
+
+        self._conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": PG_LOCK_KEY})
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        if self._conn is not None:
+            from sqlalchemy import text
+
+            with contextlib.suppress(Exception):
+                self._conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": PG_LOCK_KEY})
+        elif self._fd is not None:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self, remove_if_created: bool = False) -> None:
+        """Release and close; `remove_if_created` drops a lock file this process created (bad storage: nothing
+        is left behind)."""
+        self.release()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            if remove_if_created and self._created and self._path is not None:
+                self._path.unlink(missing_ok=True)
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._engine.dispose()
+            self._conn = self._engine = None
+
+    def __enter__(self) -> StorageLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+# --------------------------------------------------------------------------------------- study, trials --- #
+def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_trials: int,
+               join: bool = False) -> Any:
+    """Create or load the study (call with the storage lock held). `join`: the study must exist already."""
     import optuna
 
-    storage = open_storage(storage_url)
+    storage = open_storage(storage_url, create=not join)
     sampler = make_sampler(seed, n_trials)
+    if join and name not in optuna.study.get_all_study_names(storage):
+        raise TunerError(f"study {name!r} does not exist in {storage_url}: start it with `tuner search --study "
+                         f"{name} --storage ...` (a worker only joins an existing study)")
     try:
         study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, load_if_exists=True,
                                     directions=["maximize", "minimize", "maximize"])
@@ -58,73 +204,250 @@ def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_tri
     else:
         for k, v in attrs.items():
             study.set_user_attr(k, v)
-    if not study.trials:
+    if not study.get_trials(deepcopy=False):
         study.enqueue_trial(dict(ctx.space.baseline), user_attrs={"baseline": True})
     return study
 
 
+def worker_tag() -> str:
+    """host:pid:start-time of this process (the start time tells a reused pid apart)."""
+    import psutil
+
+    return f"{socket.gethostname()}:{os.getpid()}:{int(psutil.Process().create_time())}"
+
+
+def local_worker_gone(tag: Any) -> bool:
+    """True when `tag` names a process of this host that no longer exists."""
+    import psutil
+
+    try:
+        host, pid, started = str(tag).rsplit(":", 2)
+        pid_i, started_i = int(pid), int(started)
+    except ValueError:
+        return False
+    if host != socket.gethostname():
+        return False
+    try:
+        return int(psutil.Process(pid_i).create_time()) != started_i
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def fail_dead_trials(study: Any) -> list[int]:
+    """Mark FAIL (with a reason) the RUNNING trials whose worker is gone: on this host at once (pid check), on any
+    host once its heartbeat is older than the grace period. Returns the trial numbers failed."""
+    import optuna
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+    from optuna.trial import TrialState
+
+    storage = study._storage
+    stale: set[int] = set()
+    grace = None
+    if is_heartbeat_enabled(storage) and hasattr(storage, "_get_stale_trial_ids"):
+        stale = set(storage._get_stale_trial_ids(study._study_id))
+        backend = getattr(storage, "_backend", storage)  # optuna wraps an RDBStorage in a _CachedStorage
+        grace = getattr(backend, "grace_period", None) or 2 * storage.get_heartbeat_interval()
+    failed = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        worker = t.user_attrs.get("worker")
+        if local_worker_gone(worker):
+            why = f"interrupted: its worker {worker} died during the trial (process gone)"
+        elif t._trial_id in stale:
+            why = (f"interrupted: no heartbeat from its worker {worker or '(unknown)'} for over {grace} s "
+                   "(worker killed or lost)")
+        else:
+            continue
+        try:
+            storage.set_trial_user_attr(t._trial_id, "reason", why)
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            failed.append(t.number)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # finished (or failed by another worker) in the meantime
+    return failed
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def memory_note(reason: str, memory_bytes: int | None) -> str:
+    """Say so when a failure is the trial's memory limit at work."""
+    from tuner.child import _OOM_MARKERS, format_gb
+
+    if memory_bytes and "trial memory limit" not in reason and any(m in reason.lower() for m in _OOM_MARKERS):
+        return f"out of memory (trial memory limit {format_gb(memory_bytes)}): {reason}"
+    return reason
+
+
+def guarded_objective(trial: Any, ctx: SearchContext, memory_bytes: int | None) -> Any:
+    """`objective`, with every way a trial can go wrong turned into FAIL/PRUNED plus a one-line `reason`."""
+    import optuna
+
+    try:
+        return objective(trial, ctx)
+    except optuna.TrialPruned:
+        raise
+    except TrialFailed as e:
+        reason = trial.user_attrs.get("reason") or str(e) or "trial failed"
+        fixed = memory_note(reason, memory_bytes)
+        if fixed != reason or not trial.user_attrs.get("reason"):
+            trial.set_user_attr("reason", fixed)
+        raise TrialFailed(fixed) from None
+    except KeyboardInterrupt:
+        with contextlib.suppress(Exception):
+            trial.set_user_attr("reason", "interrupted (Ctrl-C or SIGTERM to the search)")
+        raise
+    except Exception as e:  # a bug or a storage hiccup in the objective: this trial fails, the search goes on
+        reason = f"trial crashed in the search process: {one_line(e)}"
+        logging.getLogger("tuner").debug("trial %s crashed", trial.number, exc_info=True)
+        trial.set_user_attr("reason", reason)
+        raise TrialFailed(reason) from None
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Any:
+    """SIGTERM to the search behaves like Ctrl-C: the running child is stopped, what finished is summarized."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, timeout: str | None, seed: int,
-               progress: bool = True) -> dict[str, Any]:
+               progress: bool = True, join: bool = False, trial_memory_bytes: int | None = None) -> dict[str, Any]:
     import warnings
 
     import optuna
     from tqdm import tqdm
 
+    from tuner.child import set_memory_limit
+    from tuner.space import suggest_config
     from tuner.targets import parse_duration_s
 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     logging.getLogger("optuna").setLevel(logging.ERROR)
-    study = open_study(ctx, storage_url, name, seed, n_trials)
-    ctx.study_dir.mkdir(parents=True, exist_ok=True)
-    # quality already measured in this study (per format) is reused, not re-scored
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+    set_memory_limit(trial_memory_bytes)
+    deadline = time.monotonic() + parse_duration_s(timeout) if timeout else None
+    lock = StorageLock(storage_url)
+    try:
+        with lock:
+            study = open_study(ctx, storage_url, name, seed, n_trials, join=join)
+    except BaseException:
+        lock.close(remove_if_created=True)
+        raise
+    done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+    me = worker_tag()
+    t0 = time.time()
+    bar = None
+    try:
+        with sigterm_as_interrupt():
+            ctx.study_dir.mkdir(parents=True, exist_ok=True)
+            bar = tqdm(total=n_trials, initial=len(study.get_trials(deepcopy=False, states=done_states)),
+                       desc="trials", unit="trial", disable=not progress)
+
+            def on_trial(study: Any, trial: Any) -> None:
+                bar.n = min(n_trials, len(study.get_trials(deepcopy=False, states=done_states)))
+                feas = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                        if all(c <= 0 for c in t.user_attrs.get("constraints", [1]))]
+                best = max((t.values[0] for t in feas), default=None)
+                state = trial.state.name.lower()
+                reason = trial.user_attrs.get("reason")
+                bar.set_postfix_str(f"last {state}" + (f" ({reason[:40]})" if reason else "") +
+                                    (f", best feasible {best:.2f} tok/s" if best is not None else
+                                     ", none feasible yet"))
+
+            def func(trial: Any) -> Any:
+                # with the lock held (taken before the trial was created): tag it and sample its configuration,
+                # so the next worker's sampler sees this trial's parameters
+                try:
+                    trial.set_user_attr("worker", me)
+                    suggest_config(trial, ctx.space, ctx.model, ctx.device)
+                finally:
+                    lock.release()
+                return guarded_objective(trial, ctx, trial_memory_bytes)
+
+            while deadline is None or time.monotonic() < deadline:
+                with lock:
+                    fail_dead_trials(study)
+                    trials = study.get_trials(deepcopy=False)
+                    # the budget counts every trial started (RUNNING ones of other workers included); a WAITING
+                    # (enqueued) trial becomes the next trial started, it adds none
+                    if sum(t.state != optuna.trial.TrialState.WAITING for t in trials) >= n_trials:
+                        break
+                    remember_quality(ctx, trials)
+                    try:
+                        study.optimize(func, n_trials=1, catch=(TrialFailed,), callbacks=[on_trial],
+                                       gc_after_trial=True)
+                    except optuna.exceptions.UpdateFinishedTrialError:
+                        pass  # our trial was failed by another worker (missed heartbeats): go on
+    except KeyboardInterrupt:
+        lock.release()
+        if bar is not None:
+            bar.close()
+        with contextlib.suppress(Exception), lock:  # what finished is kept and summarized
+            fail_dead_trials(study)
+            write_answer(study, ctx, storage_url, time.time() - t0)
+        lock.close()
+        raise
+    except BaseException:
+        lock.close()
+        raise
+    bar.close()
+    try:
+        with lock:
+            return write_answer(study, ctx, storage_url, time.time() - t0)
+    finally:
+        lock.close()
+
+
+def remember_quality(ctx: SearchContext, trials: list[Any]) -> None:
+    """Quality already measured in this study (per format, by any worker) is reused, not re-scored."""
+    for t in trials:
+        if t.state.name != "COMPLETE":
+            continue
         q, c = t.user_attrs.get("quality"), t.user_attrs.get("config") or {}
         if q and c.get("quant") and "score" in q:
             ctx.quality_memo.setdefault(c["quant"], q)
-    done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
-    finished = len(study.get_trials(deepcopy=False, states=done_states))
-    remaining = max(0, n_trials - finished)
-    bar = tqdm(total=n_trials, initial=finished, desc="trials", unit="trial", disable=not progress)
 
-    def on_trial(study: Any, trial: Any) -> None:
-        bar.update(1)
-        feas = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-                if all(c <= 0 for c in t.user_attrs.get("constraints", [1]))]
-        best = max((t.values[0] for t in feas), default=None)
-        state = trial.state.name.lower()
-        reason = trial.user_attrs.get("reason")
-        bar.set_postfix_str(f"last {state}" + (f" ({reason[:40]})" if reason else "") +
-                            (f", best feasible {best:.2f} tok/s" if best is not None else ", none feasible yet"))
 
-    callbacks = [on_trial, optuna.study.MaxTrialsCallback(n_trials, states=None)]
-    t0 = time.time()
+def write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        if remaining:
-            study.optimize(lambda t: objective(t, ctx), n_trials=remaining,
-                           timeout=parse_duration_s(timeout) if timeout else None, catch=(TrialFailed,),
-                           callbacks=callbacks, gc_after_trial=True)
-    except KeyboardInterrupt:
-        bar.close()
-        write_answer(study, ctx, storage_url, time.time() - t0)  # what finished is kept and summarized
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are for everyone who can read the directory
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
         raise
-    bar.close()
-    return write_answer(study, ctx, storage_url, time.time() - t0)
 
 
 def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float) -> dict[str, Any]:
     from tuner.cli.common import write_json_atomic
 
     rows = rows_from_study(study)
-    baseline = next((t.number for t in study.trials if t.user_attrs.get("baseline")), 0)
+    baseline = next((t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get("baseline")), 0)
     a = answer(rows, constraint_names(ctx), ctx.primary, baseline)
+    a["n_running"] = sum(r.state in ("RUNNING", "WAITING") for r in rows)
     if a.get("recommendation"):
         study.set_user_attr("recommended_trial", a["recommendation"]["trial"])
     ctx.study_dir.mkdir(parents=True, exist_ok=True)
     csv_path = ctx.study_dir / "trials.csv"
-    tmp = csv_path.with_suffix(".csv.tmp")
-    tmp.write_text(trials_csv(rows))
-    tmp.replace(csv_path)
+    write_text_atomic(csv_path, trials_csv(rows))
     rec_path = ctx.study_dir / "recommendation.json"
     write_json_atomic(rec_path, {"study": study.study_name, "storage": storage_url, **a})
     return {"study": study.study_name, "storage": storage_url, "answer": a, "csv": str(csv_path),

@@ -32,25 +32,39 @@ def check_study_name(name: str) -> str:
 
 def open_storage(url: str, create: bool = True) -> Any:
     """An Optuna storage for `url`, checked reachable before anything is written. SQLite files need an existing
-    directory; other URLs (postgresql://...) must accept a connection."""
+    directory; other URLs (postgresql://...) must accept a connection. With `create=False` the storage must exist
+    already, and a SQLite file is opened read-only (no tables are ever created in a file that is not a study
+    database). `postgresql://` uses psycopg2 when psycopg (v3, SQLAlchemy 2.1's default driver) is not installed.
+    Heartbeats (`TUNER_HEARTBEAT_S`, default 10 s; grace period 3x) let a worker mark the RUNNING trial of a dead
+    worker FAIL."""
+    import importlib.util
+
     import optuna
 
     if not re.match(r"^[a-z][a-z0-9+]*://", url or ""):
         raise TunerError(f"storage {url!r} is invalid: expected an Optuna storage URL such as "
                          "sqlite:///results/tuner.db or postgresql://user:pw@host/db")
+    target = url
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///"):])
         if not create and not path.is_file():
             raise TunerError(f"storage {url!r}: no such database file {str(path)!r}")
         if not path.parent.is_dir():
             raise TunerError(f"storage {url!r}: directory {str(path.parent)!r} does not exist")
+        if not create:
+            target = f"sqlite:///file:{path.resolve()}?mode=ro&uri=true"
+    elif url.startswith(("postgresql://", "postgres://")) and importlib.util.find_spec("psycopg") is None \
+            and importlib.util.find_spec("psycopg2") is not None:
+        target = "postgresql+psycopg2://" + url.split("://", 1)[1]
     try:
-        # heartbeats: a trial whose worker died (kill -9, lost machine) is marked FAIL by the next worker
         beat = float(os.environ.get("TUNER_HEARTBEAT_S", "10"))
-        return optuna.storages.RDBStorage(url, heartbeat_interval=int(max(1, beat)), grace_period=int(max(2, 3 * beat)),
-                                          engine_kwargs=engine_kwargs(url))
+        beat = beat if beat > 0 else 10.0
+        return optuna.storages.RDBStorage(target, heartbeat_interval=int(max(1, beat)),
+                                          grace_period=int(max(2, 3 * beat)), engine_kwargs=engine_kwargs(target))
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not create and "readonly" in msg:
+            msg = "not an Optuna study database"
         raise TunerError(f"storage {url!r} is unreachable: {msg[:200]}") from None
 
 

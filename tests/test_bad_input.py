@@ -1,0 +1,155 @@
+"""Bad input everywhere: every command, given a malformed value, prints one line that names the value and what is
+accepted, exits with code 2, shows no traceback, and writes nothing (no results dir, no study, no output file; the
+scratch directory the command ran in is byte-for-byte unchanged).
+
+Cases marked xfail(strict) are known violations in files owned elsewhere (see the reliability report); they turn
+into failures (XPASS) once fixed, so the marker gets removed then."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, assert_one_line_error
+from tests.test_reliability import tuner_argv
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """Inputs the cases point at, in the directory the commands run in."""
+    from tuner.models import alias_gguf
+
+    d = tmp_path_factory.mktemp("bad-input")
+    (d / "notgguf.gguf").write_text("this is not a GGUF file\n")
+    (d / "trunc.gguf").write_bytes(alias_gguf("smollm2-135m").read_bytes()[:300_000])
+    (d / "binonly").mkdir()
+    (d / "binonly" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (d / "binonly" / "pytorch_model.bin").write_bytes(b"\x80\x02}q\x00.")  # a pickle: never loaded
+    (d / "badyaml.yaml").write_text("knobs: [1, 2\n")
+    (d / "afile").write_text("")
+    (d / "empty.db").write_text("")
+    (d / "notjson.json").write_text("{not json")
+    (d / "cfg.json").write_text(json.dumps({"model": "smollm2-135m", "quant": "bf16"}))
+    return d
+
+
+def snapshot(d: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
+
+
+S = ["search", "--model", "smollm2-135m", "--no-quality", "--results-dir", "res"]
+W = ["worker", "--model", "smollm2-135m", "--no-quality", "--latency-target", "1s", "--results-dir", "res"]
+B = ["bench", "--model", "smollm2-135m"]
+E = ["eval", "--model", "smollm2-135m"]
+X = ["export", "--config", "cfg.json", "--to", "vllm"]
+D = ["dashboard", "--storage", "sqlite:///dash.db"]
+
+
+def known(case: pytest.param, why: str):  # a violation whose fix is in a file owned elsewhere
+    return pytest.param(*case.values, id=case.id, marks=pytest.mark.xfail(strict=True, reason=why))
+
+
+CASES = [
+    # models (bench, eval, search take the same --model)
+    pytest.param([*B[:1], "--model", "nosuch-model"], "unknown model 'nosuch-model'", id="bench-unknown-model"),
+    pytest.param([*B[:1], "--model", "notgguf.gguf"], "'notgguf.gguf' is not a GGUF file", id="bench-not-gguf"),
+    pytest.param([*B[:1], "--model", "trunc.gguf"], "'trunc.gguf' is truncated or corrupt", id="bench-truncated-gguf"),
+    pytest.param([*B[:1], "--model", "binonly"], "'binonly' has no *.safetensors", id="bench-pickle-only-checkpoint"),
+    pytest.param(["eval", "--model", "trunc.gguf"], "'trunc.gguf' is truncated", id="eval-truncated-gguf"),
+    pytest.param([*S[:1], "--model", "notgguf.gguf", "--latency-target", "1s", "--results-dir", "res"],
+                 "'notgguf.gguf' is not a GGUF file", id="search-not-gguf"),
+    # knobs and numbers out of range
+    pytest.param([*B, "--quant", "int3"], "unknown quantization format 'int3': expected one of", id="bench-quant"),
+    pytest.param([*B, "--kv-fraction", "1.5"], "KV fraction 1.5 is invalid: expected a number in (0, 1]",
+                 id="bench-kv-fraction"),
+    pytest.param([*B, "--batch-cap", "0"], "batch cap 0 is invalid: expected an integer >= 1", id="bench-batch-cap"),
+    pytest.param([*B, "--batch-cap", "x"], "invalid int value: 'x'", id="bench-batch-cap-not-int"),
+    pytest.param([*B, "--draft", "ngram:0"], "bad draft spec 'ngram:0': expected", id="bench-draft"),
+    pytest.param([*B, "--requests", "0", "--json", "out.json"], "--requests 0 is invalid", id="bench-requests"),
+    pytest.param([*B, "--goodput", "ttft:abc"], "--goodput 'ttft:abc' is invalid: expected", id="bench-goodput"),
+    pytest.param([*B, "--json", "nodir/out.json"], "directory 'nodir' does not exist", id="bench-json-path"),
+    known(pytest.param(["bench", "--config", "cfg.json", "--kv-fraction", "0", "--json", "nodir/o.json"],
+                       "KV fraction 0", id="bench-config-ignores-knob-flags"),
+          "cli/common.py: knob flags next to --config are neither validated nor applied"),
+    known(pytest.param(["bench", "--config", "notjson.json"], "'notjson.json'", id="bench-config-not-json"),
+          "cli/common.py: the JSON error does not name the --config file"),
+    pytest.param([*E, "--limit", "0", "--json", "q.json"], "limit 0 is invalid: expected an integer >= 1",
+                 id="eval-limit"),
+    pytest.param([*E, "--tasks", "nosuchtask"], "unknown task 'nosuchtask': expected one of", id="eval-task"),
+    pytest.param([*E, "--kld-tokens", "-1"], "KLD token count -1 is invalid", id="eval-kld-tokens"),
+    # targets and SLOs
+    pytest.param([*S, "--latency-target", "300"], "latency target '300' is invalid: expected a number with a unit",
+                 id="search-target-no-unit"),
+    pytest.param([*S, "--latency-target", "300ms", "--latency-metric", "ttft:p42"], "latency metric 'ttft:p42'",
+                 id="search-metric"),
+    pytest.param([*S, "--slo", "ttft:p99<0ms"], "'0ms' is invalid: expected a time > 0", id="search-slo-zero"),
+    pytest.param([*S, "--slo", "ttft:p99<3"], "'3' is invalid: expected a number with a unit", id="search-slo-unit"),
+    pytest.param([*S, "--latency-target", "1s", "--trials", "-1"], "--trials -1 is invalid", id="search-trials"),
+    pytest.param([*S, "--latency-target", "1s", "--trial-memory", "0"], "--trial-memory 0 is invalid: expected GB",
+                 id="search-trial-memory"),
+    pytest.param([*S, "--latency-target", "1s", "--trial-timeout", "0s"], "--trial-timeout '0s' is invalid",
+                 id="search-trial-timeout"),
+    pytest.param([*S, "--latency-target", "1s", "--requests", "0"], "--requests 0 is invalid", id="search-requests"),
+    pytest.param([*S, "--latency-target", "1s", "--rate", "-2"], "--rate -2.0 is invalid", id="search-rate"),
+    pytest.param([*S, "--latency-target", "1s", "--results-dir", "afile"], "--results-dir 'afile' is not a directory",
+                 id="search-results-dir-is-a-file"),
+    # space files
+    pytest.param([*S, "--latency-target", "1s", "--space", "badyaml.yaml"], "'badyaml.yaml' is not valid YAML",
+                 id="search-space-yaml"),
+    pytest.param([*S, "--latency-target", "1s", "--space", "nosuch.yaml"], "'nosuch.yaml' is unreadable",
+                 id="search-space-missing"),
+    # storage URLs and study names
+    pytest.param([*S, "--latency-target", "1s", "--storage", "not a url"], "storage 'not a url' is invalid",
+                 id="search-storage-url"),
+    pytest.param([*S, "--latency-target", "1s", "--storage", "nosuch://x"], "storage 'nosuch://x' is unreachable",
+                 id="search-storage-scheme"),
+    pytest.param([*S, "--latency-target", "1s", "--storage", "sqlite:///afile/x.db"],
+                 "directory 'afile' does not exist", id="search-storage-dir"),
+    pytest.param([*S, "--latency-target", "1s", "--storage", "sqlite:///:memory:"], "in-memory",
+                 id="search-storage-memory"),
+    pytest.param([*S, "--latency-target", "1s", "--storage", "postgresql://postgres@127.0.0.1:1/x"],
+                 "storage 'postgresql://postgres@127.0.0.1:1/x' is unreachable", id="search-storage-down"),
+    pytest.param([*S, "--latency-target", "1s", "--study", "../x"], "study name '../x' is invalid", id="search-study"),
+    pytest.param([*W, "--study", "nosuch", "--storage", "sqlite:///res/tuner.db"], "no such database file",
+                 id="worker-no-storage-file"),
+    pytest.param([*W, "--study", "nosuch"], "--storage is required", id="worker-no-storage"),
+    pytest.param(["export", "--study", "x", "--storage", "sqlite:///nosuch.db", "--best", "--to", "vllm"],
+                 "no such database file 'nosuch.db'", id="export-storage-missing"),
+    known(pytest.param(["export", "--study", "x", "--storage", "sqlite:///empty.db", "--best", "--to", "vllm"],
+                       "empty.db", id="export-storage-not-a-study-db"),
+          "export/trials.py: RDBStorage creates Optuna tables in any existing file"),
+    known(pytest.param(["export", "--config", "notjson.json", "--to", "vllm"], "'notjson.json'",
+                       id="export-config-not-json"), "cli/export.py: the JSON error does not name the file"),
+    # export paths and numbers
+    pytest.param([*X, "-o", "out.txt"], "'out.txt': give a path ending in", id="export-extension"),
+    pytest.param([*X, "-o", "afile/x.yaml"], "'afile/x.yaml'", id="export-path-under-a-file"),
+    pytest.param([*X, "--gpu-memory-gib", "-1"], "--gpu-memory-gib -1 is invalid", id="export-gpu-memory"),
+    pytest.param([*X[:3], "--to", "nosuch"], "invalid choice: 'nosuch'", id="export-target"),
+    # dashboard
+    pytest.param([*D, "--port", "70000"], "--port 70000 is invalid: expected a port number in 1..65535",
+                 id="dashboard-port"),
+    pytest.param([*D, "--host", "no such host"], "--host 'no such host' is invalid", id="dashboard-host"),
+    pytest.param(["dashboard", "--storage", "bad url"], "--storage 'bad url' is invalid", id="dashboard-storage"),
+    # models
+    pytest.param(["models", "--json", "extra"], "unrecognized arguments: extra", id="models-extra-argument"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", CASES)
+def test_bad_input(scratch, argv, needle):
+    before = snapshot(scratch)
+    proc = subprocess.run(tuner_argv(*argv), cwd=scratch, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TUNER_RESULTS": str(scratch / "results")})
+    assert_one_line_error(proc, needle)
+    assert snapshot(scratch) == before, "a file was written, changed or left behind"
+
+
+def test_at_least_twenty_cases_over_every_command():
+    commands = {p.values[0][0] for p in CASES}
+    assert commands >= {"bench", "eval", "search", "worker", "export", "dashboard", "models"}
+    assert len(CASES) >= 20
+    assert REPO.is_dir()
