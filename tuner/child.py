@@ -174,7 +174,9 @@ def kill_leftovers(proc: subprocess.Popen) -> None:
 
 # ---------------------------------------------------------------------------------------- in the child --- #
 def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when `parent` dies (Linux: PR_SET_PDEATHSIG; elsewhere a polling thread)."""
+    """SIGKILL this process when `parent` dies (Linux: PR_SET_PDEATHSIG; elsewhere a polling thread). On Linux the
+    signal follows the parent *thread* that started the child: call `run_child` from a thread that outlives it
+    (the search calls it from its main thread)."""
     armed = False
     if sys.platform.startswith("linux"):
         try:

@@ -54,7 +54,9 @@ def check_storage_url(url: str, what: str = "--storage") -> str:
     from sqlalchemy.engine import make_url
 
     try:
-        make_url(url).get_dialect()
+        from tuner.search import sqlalchemy_url
+
+        make_url(sqlalchemy_url(url)).get_dialect()
     except Exception as e:  # ArgumentError (bad URL), NoSuchModuleError (unknown scheme), ImportError (driver)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TunerError(f"{what} {url!r} is unusable: {msg[:160]}") from None

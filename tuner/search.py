@@ -71,7 +71,7 @@ def make_sampler(seed: int, n_trials: int) -> Any:
             self._random_sampler._rng.rng.seed((s + 1) % 2**32)
             super().before_trial(study, trial)
 
-    return TrialSeededTPESampler(seed=seed, n_startup_trials=min(10, max(3, n_trials // 3)),
+    return TrialSeededTPESampler(seed=seed, n_startup_trials=3,
                                  multivariate=True, group=True, constant_liar=True)
 
 

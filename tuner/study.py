@@ -38,6 +38,7 @@ def open_storage(url: str, create: bool = True) -> Any:
     Heartbeats (`TUNER_HEARTBEAT_S`, default 10 s; grace period 3x) let a worker mark the RUNNING trial of a dead
     worker FAIL."""
     import importlib.util
+    import warnings
 
     import optuna
 
@@ -59,6 +60,7 @@ def open_storage(url: str, create: bool = True) -> Any:
     try:
         beat = float(os.environ.get("TUNER_HEARTBEAT_S", "10"))
         beat = beat if beat > 0 else 10.0
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # heartbeat_interval
         return optuna.storages.RDBStorage(target, heartbeat_interval=int(max(1, beat)),
                                           grace_period=int(max(2, 3 * beat)), engine_kwargs=engine_kwargs(target))
     except Exception as e:

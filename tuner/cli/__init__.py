@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("tuner.cli.models", "list the models tuner can load"),
     "eval": ("tuner.cli.eval", "score a configuration's quality with lm-eval"),
     "search": ("tuner.cli.search", "search the four knobs with Optuna under a latency target"),
+    "worker": ("tuner.cli.worker", "join an existing search study as one more worker"),
     "export": ("tuner.cli.export", "export a trial's config to vLLM, SGLang, TGI, llama.cpp or transformers"),
     "dashboard": ("tuner.cli.dashboard", "open the Streamlit dashboard"),
 }

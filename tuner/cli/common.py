@@ -17,12 +17,12 @@ from tuner.workload import WorkloadSpec, parse_range
 def add_config_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
     g = p.add_argument_group("configuration (the four knobs)")
     g.add_argument("--model", required=model_required, help="alias (see `tuner models`), checkpoint dir or .gguf")
-    g.add_argument("--quant", default="bf16", metavar="FORMAT", help=f"one of: {', '.join(FORMATS)} (default bf16)")
-    g.add_argument("--batch-cap", type=int, default=1, help="max concurrently running sequences (default 1)")
-    g.add_argument("--kv-fraction", type=float, default=0.05,
+    g.add_argument("--quant", metavar="FORMAT", help=f"one of: {', '.join(FORMATS)} (default bf16)")
+    g.add_argument("--batch-cap", type=int, help="max concurrently running sequences (default 1)")
+    g.add_argument("--kv-fraction", type=float,
                    help="fraction of free memory the KV cache may take, in (0, 1] (default 0.05)")
-    g.add_argument("--draft", default="none", help="none | ngram:K | draft:<model>:K | early-exit:L")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--draft", help="none | ngram:K | draft:<model>:K | early-exit:L (default none)")
+    g.add_argument("--device", help="auto | cpu | cuda (default auto)")
     g.add_argument("--config", metavar="FILE", help="take the configuration from a JSON file (bench or export JSON)")
 
 
@@ -68,14 +68,20 @@ def config_from_args(args: argparse.Namespace) -> TrialConfig:
             text = Path(args.config).read_text(encoding="utf-8")
         except OSError as e:
             raise TunerError(f"--config {args.config!r} is unreadable ({e.strerror}): expected a JSON file") from None
-        config = TrialConfig.from_json(text)
-        if args.model:
-            config = config.replace(model=args.model)
+        try:
+            config = TrialConfig.from_json(text)
+        except TunerError as e:
+            raise TunerError(f"--config {args.config!r}: {e}: expected a TrialConfig, bench or export JSON") from None
+        given = {k: getattr(args, k) for k in ("model", "quant", "batch_cap", "kv_fraction", "draft", "device")
+                 if getattr(args, k) is not None}
+        if given:
+            config = config.replace(**given)  # explicit flags override the file, validated
     else:
         if not args.model:
             raise TunerError("--model is required (an alias, a checkpoint directory or a .gguf file) unless --config")
-        config = TrialConfig(model=args.model, quant=args.quant, batch_cap=args.batch_cap,
-                             kv_fraction=args.kv_fraction, draft=args.draft, device=args.device)
+        knobs = {k: getattr(args, k) for k in ("quant", "batch_cap", "kv_fraction", "draft", "device")
+                 if getattr(args, k) is not None}
+        config = TrialConfig(model=args.model, **knobs)
     resolve_source(config.model)
     if config.draft_spec.kind == "draft":
         resolve_source(config.draft_spec.model)
@@ -133,6 +139,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, default=str)
             f.write("\n")
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -59,8 +59,11 @@ def format_table(res: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from tuner.config import TrialConfig
+    from tuner.errors import TunerError
     from tuner.evaldata import set_offline
 
+    if args.json and Path(args.json).expanduser().is_dir():
+        raise TunerError(f"--json {args.json!r} is a directory: expected a file path")
     set_offline()
     if args.results_dir:
         os.environ["TUNER_RESULTS"] = str(Path(args.results_dir).expanduser())

@@ -89,7 +89,10 @@ def _from_file(path: str, cls: Any) -> tuple[Any, dict[str, Any]]:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise TunerError(f"cannot read config file {path!r}: {e.strerror or e}") from None
-    config = cls.from_json(text)
+    try:
+        config = cls.from_json(text)
+    except TunerError as e:
+        raise TunerError(f"--config {path!r}: {e}: expected a TrialConfig, bench or export JSON") from None
     data = json.loads(text)
     measured = data.get("measured") if isinstance(data, dict) else None
     engine = metrics = None

@@ -92,7 +92,10 @@ class ContinuousBatchingEngine(Engine):
         except Exception as e:  # a full queue, a stopped manager: the request fails, the run goes on
             rid, err = None, f"{type(e).__name__}: {e}"
         else:
-            err = "engine refused the request (manager not accepting requests)" if rid is None else None
+            fatal = self.manager.background_thread_status.fatal_error
+            err = None if rid is not None else (
+                f"engine failed: {str(fatal).splitlines()[0] if str(fatal) else type(fatal).__name__}" if fatal
+                else "engine refused the request (manager not accepting requests)")
         if err:
             self._finish(request_id, err)
 

@@ -39,11 +39,9 @@ def open_study(name: str, storage: str) -> Any:
         if not path.is_file():
             raise TunerError(f"storage {storage!r}: no such database file {str(path)!r} (run `tuner search` first "
                              "or pass --storage)")
-    try:
-        rdb = optuna.storages.RDBStorage(storage)
-    except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TunerError(f"storage {storage!r} is unreadable: {msg[:200]}") from None
+    from tuner.study import open_storage
+
+    rdb = open_storage(storage, create=False)
     try:
         return optuna.load_study(study_name=name, storage=rdb)
     except KeyError:
