@@ -180,7 +180,9 @@ def binding(names: list[str], constraints: list[float], rows: list[Row]) -> str:
         i = max(range(len(names)), key=lambda k: counts[k])
         if counts[i]:
             return f"{names[i]} (violated by {counts[i]} faster config(s))"
-    i = max(range(len(constraints)), key=lambda k: constraints[k] if math.isfinite(constraints[k]) else -math.inf)
+    # least slack among the bounds that have slack to speak of (failed requests = 0 is always exactly met)
+    candidates = [k for k in range(len(constraints)) if not names[k].startswith("failed")] or list(range(len(names)))
+    i = max(candidates, key=lambda k: constraints[k] if math.isfinite(constraints[k]) else -math.inf)
     return f"{names[i]} (least slack)"
 
 
