@@ -66,7 +66,8 @@ def main() -> int:
     print(f"\n{'run':<16}{'cached':>7}{'wall s':>9}{'items':>7}{'items/s':>9}{'score':>8}{'kld mean':>10}{'top-1':>8}")
     for name, r, wall in rows:
         items = sum(s.n for s in r.tasks)
-        print(f"{name:<16}{str(r.cached):>7}{wall:>9.1f}{items:>7}{items / wall:>9.2f}{r.score:>8.4f}"
+        rate = f"{'-':>9}" if r.cached else f"{items / wall:>9.2f}"
+        print(f"{name:<16}{str(r.cached):>7}{wall:>9.1f}{items:>7}{rate}{r.score:>8.4f}"
               f"{r.kld_mean:>10.5f}{r.top1_agree:>8.3f}")
     print(f"{'cache hit':<16}{str(hit.cached):>7}{hit_s:>9.3f}")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")

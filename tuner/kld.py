@@ -165,6 +165,7 @@ def save_reference(ref: Reference, path: Path) -> None:
             for name, arr in (("ids", ref.ids), ("codes", ref.codes), ("top1", ref.top1)):
                 with zf.open(f"{name}.npy", "w", force_zip64=True) as member:
                     np.lib.format.write_array(member, np.ascontiguousarray(arr), allow_pickle=False)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; cache files are plain results
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -153,6 +153,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
             json.dump(obj, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; cache files are plain results
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
