@@ -145,19 +145,10 @@ def read_cache(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Temp file in the same folder + os.replace: readers see the old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; cache files are plain results
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Cache entries: the shared atomic writer, keys sorted."""
+    from tuner.cli.common import write_json_atomic as write
+
+    write(path, obj, sort_keys=True)
 
 
 # ---------------------------------------------------------------------------------------------- checks ---- #

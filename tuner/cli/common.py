@@ -132,14 +132,18 @@ def check_output_path(path: str | None, flag: str = "--json") -> Path | None:
     return p
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON through a temp file + rename, so a reader never sees half a file."""
+def write_json_atomic(path: Path, data: Any, sort_keys: bool = False) -> None:
+    """Write JSON through a temp file in the same folder + rename (fsynced, 0644): a reader sees the old file or
+    the whole new one, never a part. Creates the folder if needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
+            json.dump(data, f, indent=2, default=str, sort_keys=sort_keys)
             f.write("\n")
-        os.chmod(tmp, 0o644)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are plain files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
