@@ -1,9 +1,10 @@
 """tuner dashboard: `streamlit run app.py [-- --storage URL]` or `tuner dashboard [--storage URL]`.
 
 Reads an Optuna storage written by `tuner search` (default sqlite:///results/tuner.db, or $TUNER_STORAGE) and shows
-a study's Pareto view, its trials, one trial in detail, why the recommendation was made, and the selected trial's
-serving configs. While a search runs, the page reloads when trials start or finish. Layout only: the data shaping
-lives in tuner/dashboard.py.
+a study's Pareto view (capacity vs quality), the latency-load curves of chosen trials, its trials, one trial in
+detail, why the recommendation was made, and the selected trial's serving configs. While a search runs, the page
+reloads when trials start or finish. Layout only: the data shaping lives in tuner/dashboard.py and, for capacity
+(curves, capacity summaries), tuner/dashboard_curves.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import streamlit as st
 
 from tuner import dashboard as dash
+from tuner import dashboard_curves as curves
 
 st.set_page_config(page_title="tuner dashboard", layout="wide")  # no page_icon: a material one is fetched online
 
@@ -127,8 +129,12 @@ def header(info: dash.StudyInfo, views: list[dash.TrialView], rec: int | None) -
     if rec is not None:
         best = next((v for v in views if v.number == rec), None)
         if best is not None:
-            st.success(f"Recommended: **trial {rec}** — {dash.config_text(best.row.config)} — "
-                       f"**{best.row.tok_s:.2f} output tok/s**", icon=":material/star:")
+            figure = (f"capacity **{curves.capacity_text(best.capacity)}**" if best.capacity else
+                      f"**{best.tok_s:.2f} output tok/s**")
+            st.success(f"Recommended: **trial {rec}** — {dash.config_text(best.row.config)} — {figure}"
+                       + (f" — engine {best.engine_label}" if best.engine_label else ""), icon=":material/star:")
+    if not dash.has_capacity(views):
+        st.caption(curves.LEGACY_NOTE)
 
 
 def trial_label(v: dash.TrialView) -> str:
@@ -151,8 +157,8 @@ def select_trial(views: list[dash.TrialView], rec: int | None) -> dash.TrialView
     by_number = {v.number: v for v in views}
     if st.session_state.get("trial") not in numbers:
         finished = [v for v in views if v.state == "COMPLETE"]
-        default = rec if rec in numbers else (max(finished, key=lambda v: v.row.tok_s).number if finished
-                                              else numbers[-1])
+        default = rec if rec in numbers else (max(finished, key=lambda v: (v.capacity_rps or 0.0, v.tok_s))
+                                              .number if finished else numbers[-1])
         st.session_state["trial"] = default
     n = st.selectbox("Selected trial (also: click a point or a table row)", numbers, key="trial",
                      format_func=lambda k: trial_label(by_number[k]))
@@ -181,73 +187,65 @@ def pick_from_table() -> None:
 
 # ------------------------------------------------------------------------------------------------ sections --- #
 def pareto_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | None) -> None:
-    import plotly.colors
-    import plotly.graph_objects as go
-
     fields = dash.axis_fields(views, info)
     if not fields:
         st.info("No trial has metrics yet.")
         return
-    default_x = info.latency_field if info.latency_field in fields else fields[0]
-    for key in ("x_axis", "y_axis"):  # a choice made on another study that this one lacks
+    default_x, default_y = dash.default_axes(fields, info, dash.has_capacity(views))
+    for key in (f"x_axis_{info.name}", f"y_axis_{info.name}"):  # a field this study no longer offers
         if key in st.session_state and st.session_state[key] not in fields:
             del st.session_state[key]
-    c1, c2 = st.columns(2)
-    x = c1.selectbox("x axis", fields, index=fields.index(default_x), format_func=dash.field_label, key="x_axis")
-    y = c2.selectbox("y axis", fields, index=fields.index(dash.THROUGHPUT) if dash.THROUGHPUT in fields else 0,
-                     format_func=dash.field_label, key="y_axis")
+    c1, c2 = st.columns(2)  # keys per study: each study opens on its own default axes
+    x = c1.selectbox("x axis", fields, index=fields.index(default_x), format_func=dash.field_label,
+                     key=f"x_axis_{info.name}")
+    y = c2.selectbox("y axis", fields, index=fields.index(default_y), format_func=dash.field_label,
+                     key=f"y_axis_{info.name}")
     points = dash.chart_points(views, x, y, info, rec)
-    qrange = dash.quality_range(points)
-
-    def colour(q: float | None) -> str:
-        if q is None or qrange is None:
-            return "#9e9e9e"
-        t = (q - qrange[0]) / (qrange[1] - qrange[0])
-        return plotly.colors.sample_colorscale("Viridis", [min(1.0, max(0.0, t))])[0]
-
-    fig = go.Figure()
-    for feasible, name, symbol in ((True, "feasible", "circle"), (False, "infeasible", "x")):
-        pts = [p for p in points if p["feasible"] is feasible]
-        fig.add_trace(go.Scatter(
-            x=[p["x"] for p in pts], y=[p["y"] for p in pts], mode="markers+text", name=name,
-            text=[str(p["number"]) for p in pts], textposition="top center", textfont={"size": 10},
-            customdata=[[p["number"]] for p in pts], hovertext=[p["hover"] for p in pts],
-            hovertemplate="%{hovertext}<extra></extra>",
-            marker={"symbol": symbol, "size": 13, "color": [colour(p["quality"]) for p in pts],
-                    "line": {"width": 1, "color": "#333"}}))
     front = dash.pareto_line(points, dash.direction(x), dash.direction(y))
-    if front:
-        fig.add_trace(go.Scatter(x=[p["x"] for p in front], y=[p["y"] for p in front], mode="lines+markers",
-                                 name="Pareto front (feasible)", marker={"size": 5, "color": "#1f77b4"},
-                                 hoverinfo="skip",
-                                 line={"color": "#1f77b4", "width": 2, "dash": "dot"}))
-    for p in points:
-        if p["recommended"]:
-            fig.add_trace(go.Scatter(x=[p["x"]], y=[p["y"]], mode="markers", name=f"recommended (trial "
-                                     f"{p['number']})", customdata=[[p["number"]]], hovertext=[p["hover"]],
-                                     hovertemplate="%{hovertext}<extra></extra>",
-                                     marker={"symbol": "star-open", "size": 28, "color": "#d62728",
-                                             "line": {"width": 2.5, "color": "#d62728"}}))
-    if qrange is not None:  # a marker-less trace that carries the quality colour bar
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
-                                 marker={"colorscale": "Viridis", "cmin": qrange[0], "cmax": qrange[1],
-                                         "color": [qrange[0]], "showscale": True,
-                                         "colorbar": {"title": {"text": "quality"}, "thickness": 14}}))
-    for line in dash.target_lines(info, x, y):
-        add = fig.add_vline if line["axis"] == "x" else fig.add_hline
-        add(line["value"], line_dash="dash", line_color="#d62728", annotation_text=line["label"],
-            annotation_position="top left" if line["axis"] == "x" else "bottom right")
-    fig.update_layout(height=520, margin={"l": 10, "r": 10, "t": 30, "b": 10},
-                      xaxis_title=dash.field_label(x), yaxis_title=dash.field_label(y),
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0})
+    fig = curves.pareto_figure(points, front, dash.target_lines(info, x, y), dash.field_label(x), dash.field_label(y))
     st.plotly_chart(fig, key="pareto_chart", on_select=pick_from_chart, selection_mode="points",
                     config={"displaylogo": False})
     n_front = len(front)
+    bars = any(p["x_err"] or p["y_err"] for p in points)
     st.caption(f"{len(points)} of {len(views)} trials plotted (trials without both values are left out) · "
-               f"colour = quality score" + ("" if qrange else " (not scored: grey)") + " · "
+               f"colour = quality score" + ("" if dash.quality_range(points) else " (not scored: grey)") + " · "
+               + ("error bars: capacity and latency CIs, quality ± stderr · " if bars else "")
                + (f"{n_front} trial(s) on the feasible front of these two axes" if front else
                   "no front for these axes" if dash.direction(x) is None or dash.direction(y) is None else
                   "no feasible trial yet"))
+
+
+def curves_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | None) -> None:
+    have = curves.curve_trials(views)
+    if not have:
+        st.info("No latency-load curves: " + (curves.LEGACY_NOTE if not dash.has_capacity(views) else
+                                              "no trial has capacity probes yet."), icon=":material/info:")
+        return
+    by_number = {v.number: v for v in views}
+    fields = curves.curve_fields(views, info.latency_field)
+    c1, c2 = st.columns([3, 1])  # keys per study: a choice made on another study does not carry over
+    chosen = c1.multiselect("Trials to compare", have, default=curves.default_curve_trials(views, rec),
+                            key=f"curve_trials_{info.name}", format_func=lambda k: trial_label(by_number[k]))
+    field = c2.selectbox("Latency", fields, key=f"curve_metric_{info.name}", format_func=curves.field_label)
+    if not chosen:
+        st.info("Choose trials to compare.")
+        return
+    shown = [curves.latency_curve(by_number[n], field) for n in chosen]
+    limits = curves.slo_limits(dash.bound_lines(info), field)
+    with st.container(key="load_curves"):
+        st.plotly_chart(curves.latency_figure(shown, field, limits), key="latency_load_chart",
+                        config={"displaylogo": False})
+    st.caption(f"x = offered arrival rate of each probe · y = {curves.field_label(field)} of the probe's steady-state "
+               "requests, error bars = its confidence interval (an arrow: that side is not bounded by so few "
+               "requests) · marker fill = the probe's verdict against the SLO · star = the capacity (the highest "
+               "rate shown to meet the SLO), its horizontal bar = the capacity's interval"
+               + ("" if limits else " · the SLO sets no limit on this metric"))
+    unit = st.radio("Throughput", ["rps", "tok_s"], horizontal=True, key="curve_unit",
+                    format_func=lambda u: {"rps": "requests/s", "tok_s": "output tok/s"}[u])
+    with st.container(key="throughput_curves"):
+        st.plotly_chart(curves.throughput_figure(shown, unit), key="throughput_chart", config={"displaylogo": False})
+    st.caption("achieved throughput of each probe vs the rate offered: it follows the diagonal while the engine keeps "
+               "up and flattens at saturation (dotted: the closed-loop saturation measured before the probes)")
 
 
 def trials_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | None, study: str) -> None:
@@ -271,6 +269,13 @@ def trials_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | Non
                      "number": cc.NumberColumn("trial", format="%d"),
                      "recommended": cc.CheckboxColumn("★"),
                      "output_tokens_per_s": cc.NumberColumn("output tok/s", format="%.2f"),
+                     "capacity_rps": cc.NumberColumn("capacity req/s", format="%.3f",
+                                                     help="highest request rate shown to meet the SLO"),
+                     "capacity_ci_low_rps": cc.NumberColumn("CI low", format="%.3f"),
+                     "capacity_ci_high_rps": cc.NumberColumn("CI high", format="%.3f"),
+                     "verdict": cc.TextColumn("SLO verdict", help="meets / misses / indeterminate at the capacity"),
+                     "quality_gate": cc.TextColumn("quality gate", help="within / exceeds / indeterminate budget"),
+                     "goodput_rps": cc.NumberColumn("goodput req/s", format="%.3f"),
                      "kv_fraction": cc.NumberColumn("KV fraction", format="%.4f"),
                      **ms_columns,
                      "acceptance_rate": cc.NumberColumn("acceptance", format="%.2f"),
@@ -298,6 +303,7 @@ def detail_tab(v: dash.TrialView, info: dash.StudyInfo) -> None:
     st.subheader(f"Trial {v.number} — {v.state}" + (" (baseline)" if v.baseline else ""))
     if d["reason"]:
         (st.error if v.state == "FAIL" else st.warning)(f"{v.state.lower()}: {d['reason']}")
+    capacity_block(v, d, info)
     left, right = st.columns([1, 2])
     with left:
         st.markdown("**Config**")
@@ -337,8 +343,8 @@ def detail_tab(v: dash.TrialView, info: dash.StudyInfo) -> None:
         else:
             st.info("No per-request latencies recorded for this trial.")
         if d["percentiles"]:
-            st.dataframe([{"metric (ms)": k.replace("_ms", "").upper(), **{s: val for s, val in p.items()}}
-                          for k, p in d["percentiles"].items()], hide_index=True, width="stretch",
+            st.markdown("**Latency**" + (" at the capacity point (CI: distribution-free 95%)" if v.capacity else ""))
+            st.dataframe(dash.percentile_rows(v.row.metrics), hide_index=True, width="stretch",
                          column_config={s: st.column_config.NumberColumn(s, format="%.1f")
                                         for s in ("p50", "p90", "p95", "p99", "mean")})
         if d["tasks"]:
@@ -364,67 +370,119 @@ def detail_tab(v: dash.TrialView, info: dash.StudyInfo) -> None:
                      column_config=CONSTRAINT_COLUMNS)
 
 
+def capacity_block(v: dash.TrialView, d: dict[str, Any], info: dash.StudyInfo) -> None:
+    """Capacity with CI and verdict, quality gate, engine, and the probes of the capacity search."""
+    cap, gate = d["capacity"], d["gate"] or {}
+    cols = st.columns(4)
+    cols[0].metric("capacity (req/s)", f"{cap['requests_per_s']:.3f}" if cap and cap["requests_per_s"] is not None
+                   else "—", help=cap["text"] if cap else "not measured by capacity (an older study)")
+    lo, hi = cap["ci_rps"] if cap else (None, None)
+    cols[1].metric("capacity CI (req/s)", f"{curves.fmt(lo, '.3f')} – {curves.fmt(hi, '.3f', 'open')}" if cap else "—")
+    cols[2].metric("SLO verdict / quality gate", f"{(cap or {}).get('verdict') or '—'} / {gate.get('verdict') or '—'}",
+                   help=f"quality drop {gate.get('drop_pp')} pp, CI {gate.get('drop_ci_pp')}, budget "
+                        f"{gate.get('budget_pp')} pp" if gate else "quality gate not recorded")
+    cols[3].metric("engine", d["engine_label"] or "not recorded")
+    if not cap:
+        return
+    slo = "; ".join(cap["slo"].get("bounds") or []) or str(cap["slo"].get("targets_ms") or "")
+    sat = cap["saturation"]
+    st.caption(f"SLO {slo} at {curves.fmt(curves.num(cap['slo'].get('confidence')), '.0%')} confidence · "
+               f"saturation {curves.fmt(curves.num(sat.get('requests_per_s')), '.3g')} req/s (closed loop, "
+               f"{sat.get('concurrency')} in flight) · capacity search: {cap['n_probes']} probes, "
+               f"{cap['cost'].get('requests')} requests, {curves.fmt(curves.num(cap['cost'].get('wall_s')), '.0f')} s")
+    for note in cap["notes"]:
+        st.caption(f"note: {note}")
+    field = info.latency_field or "ttft_ms.p90"
+    pts = curves.latency_curve(v, field)["points"]
+    with st.expander(f"{len(pts)} probe(s) of the capacity search ({curves.field_label(field)})", expanded=False):
+        st.dataframe([{"offered req/s": p["rate_rps"], "achieved req/s": p["achieved_rps"],
+                       "output tok/s": p["output_tokens_per_s"], curves.field_label(field): p["y"],
+                       "CI low": p["ci_low"], "CI high": p["ci_high"], "attainment": p["attainment"],
+                       "verdict": p["verdict"], "n": p["n"], "failed": p["failed"]} for p in pts], hide_index=True)
+
+
 def why_tab(views: list[dash.TrialView], trials: list[Any], info: dash.StudyInfo) -> None:
     import plotly.graph_objects as go
 
     w = dash.why(views, info)
+    by_number = {v.number: v for v in views}
+
+    def figures(n: Any) -> dict[str, Any]:  # a trial of the answer, with its figures from the trial itself
+        v = by_number[n]
+        return {"trial": n, "config": dash.config_text(v.row.config), "engine": v.engine_label,
+                "capacity": curves.capacity_text(v.capacity), "output tok/s": v.tok_s,
+                f"{curves.field_label(info.latency_field or '.')}": dash.latency_at(v, info), "quality": v.row.quality.get("score"),
+                "quality gate": (v.row.quality.get("gate") or {}).get("verdict")}
+
     if "message" in w:
         st.info(w["message"])
+    elif "legacy" in w:
+        st.info(w["legacy"], icon=":material/info:")
+        if w["recommended"] is not None:
+            v = by_number[w["recommended"]]
+            st.markdown(f"### Trial {v.number}: {dash.config_text(v.row.config)} — {v.tok_s:.2f} output tok/s")
+            st.dataframe(w["constraints"], hide_index=True, column_config=CONSTRAINT_COLUMNS)
     else:
         a = w["answer"]
-        rec = a.get("recommendation")
+        rec, cap = a.get("recommendation"), w.get("capacity")
         if rec:
-            st.markdown(f"### Trial {rec['trial']}: {dash.config_text(rec['config'])}")
+            best = by_number[rec["trial"]]
+            st.markdown(f"### Trial {best.number}: {dash.config_text(best.row.config)}")
             cols = st.columns(4)
-            cols[0].metric("output tok/s", f"{rec['output_tokens_per_s']:.2f}")
-            lat = rec.get("latency_ms")
-            cols[1].metric(f"{info.latency_metric}", f"{lat:.0f} ms" if lat is not None else "—",
-                           help=f"target {info.primary}")
-            gain = rec.get("gain_over_baseline")
+            r = cap["recommended"]
+            cols[0].metric("capacity (req/s)", f"{r['requests_per_s']:.3f}" if r["requests_per_s"] is not None
+                           else "—", help=r["text"])
+            lat = dash.latency_at(best, info)
+            cols[1].metric(f"{curves.field_label(info.latency_field or '.')} at capacity", f"{lat:.0f} ms" if lat is not None else "—",
+                           help=f"SLO {'; '.join(info.slo.get('bounds') or []) or info.primary}")
+            gain, g_ci = rec.get("gain_over_baseline"), curves.ci_pair(rec.get("gain_ci"))
             cols[2].metric("gain over baseline", f"{gain:.2f}×" if gain else "—",
-                           help="output tok/s of the recommendation / of the engine-default baseline (trial 0)")
-            q = (rec.get("quality") or {}).get("score")
-            cols[3].metric("quality", f"{q:.3f}" if q is not None else "not scored")
-            base = a.get("baseline")
+                           help=f"capacity / the engine-default baseline's capacity, interval "
+                                f"{curves.fmt(g_ci[0], '.2f')}–{curves.fmt(g_ci[1], '.2f')}")
+            q = best.row.quality.get("score")
+            gate = (best.row.quality.get("gate") or {}).get("verdict")
+            cols[3].metric("quality", f"{q:.3f}" if q is not None else "not scored", help=f"quality gate: {gate}")
+            if rec.get("statement"):
+                st.markdown(f"> {rec['statement']}")
+            base = cap.get("baseline")
             st.markdown(
-                f"It is the feasible configuration with the highest output throughput: **{a['n_feasible']}** of "
-                f"**{a['n_trials']}** trials met every constraint ({a['n_pruned']} pruned, {a['n_failed']} "
-                "failed). " + (f"The baseline (trial {base['trial']}: {dash.config_text(base['config'])}) "
-                               f"served {base['output_tokens_per_s']:.2f} tok/s. " if base else "")
-                + f"**Binding constraint:** {rec.get('binding_constraint')}.")
+                f"It is the feasible configuration with the highest capacity: **{a.get('n_feasible')}** of "
+                f"**{a.get('n_trials')}** trials met every constraint ({a.get('n_pruned')} pruned, "
+                f"{a.get('n_failed')} failed). " + (f"The baseline sustained {base['text']}. " if base else "")
+                + f"**Binding constraint:** {rec.get('binding_constraint')}."
+                + (f" Not distinguishable from it by the evidence: trial(s) "
+                   f"{', '.join(str(n) for n in rec['indistinguishable_from'])}."
+                   if rec.get("indistinguishable_from") else ""))
             st.dataframe(w.get("constraints", []), hide_index=True, column_config=CONSTRAINT_COLUMNS)
             if a.get("runners_up"):
                 st.markdown("**Runners-up**")
-                st.dataframe([{"trial": r["trial"], "config": dash.config_text(r["config"]),
-                               "output tok/s": r["output_tokens_per_s"], "vs recommendation": r["vs_best"]}
-                              for r in a["runners_up"]], hide_index=True)
+                st.dataframe([{**figures(r["trial"]), "vs recommendation": r.get("vs_best")}
+                              for r in a["runners_up"] if r.get("trial") in by_number], hide_index=True)
         else:
             st.warning("No feasible configuration yet.")
             c = a.get("closest")
             if c:
-                st.markdown(f"Closest miss: **trial {c['trial']}** ({dash.config_text(c['config'])}), "
-                            f"missing: " + ", ".join(f"{k} by {v:g}" for k, v in c["misses"].items()))
+                st.markdown(f"Closest miss: **trial {c['trial']}** ({dash.config_text(c.get('config') or {})}), "
+                            f"missing: " + ", ".join(f"{k} by {v:g}" for k, v in (c.get("misses") or {}).items()))
                 st.dataframe(w.get("constraints", []), hide_index=True, column_config=CONSTRAINT_COLUMNS)
         if a.get("pareto_front"):
-            st.markdown("**Feasible Pareto front** (output tok/s, latency, quality)")
-            st.dataframe([{"trial": p["trial"], "config": dash.config_text(p["config"]),
-                           "output tok/s": p["output_tokens_per_s"], "latency ms": p["latency_ms"],
-                           "quality": (p.get("quality") or {}).get("score")} for p in a["pareto_front"]],
+            st.markdown("**Feasible Pareto front** (capacity, quality)")
+            st.dataframe([figures(p["trial"]) for p in a["pareto_front"] if p.get("trial") in by_number],
                          hide_index=True)
     st.markdown("#### Parameter importance (fANOVA)")
     imps = importances(tuple(dash.signature(trials)), info.name)
-    cols = st.columns(2)
-    for col, (label, res) in zip(cols, imps.items()):
+    titles = {"throughput": "throughput (output tok/s)", "latency": f"latency ({info.latency_metric})",
+              "capacity": "capacity (req/s)", "quality": "quality score"}
+    for col, (label, res) in zip(st.columns(2), imps.items()):
         with col:
-            title = "throughput (output tok/s)" if label == "throughput" else f"latency ({info.latency_metric})"
             if "importances" in res:
                 items = sorted(res["importances"].items(), key=lambda kv: kv[1])
                 fig = go.Figure(go.Bar(x=[v for _, v in items], y=[k for k, _ in items], orientation="h"))
-                fig.update_layout(height=220, margin={"l": 10, "r": 10, "t": 40, "b": 10}, title=title,
+                fig.update_layout(height=220, margin={"l": 10, "r": 10, "t": 40, "b": 10}, title=titles[label],
                                   xaxis_title="share of variance", xaxis_range=[0, 1])
                 st.plotly_chart(fig, key=f"imp_{label}")
             else:
-                st.markdown(f"**{title}**")
+                st.markdown(f"**{titles[label]}**")
                 st.info(f"Importance {res['message']}.")
 
 
@@ -496,10 +554,12 @@ def main() -> None:
     rec = dash.recommended_number(ans, info)
     header(info, views, rec)
     selected = select_trial(views, rec)
-    t_pareto, t_trials, t_detail, t_why, t_export = st.tabs(
-        ["Pareto", "Trials", "Trial detail", "Why this one", "Export"])
+    t_pareto, t_curves, t_trials, t_detail, t_why, t_export = st.tabs(
+        ["Pareto", "Latency–load", "Trials", "Trial detail", "Why this one", "Export"])
     with t_pareto:
         pareto_tab(views, info, rec)
+    with t_curves:
+        curves_tab(views, info, rec)
     with t_trials:
         trials_tab(views, info, rec, name)
     with t_detail:

@@ -1,7 +1,9 @@
 """Time `tuner eval` (score_quality) end to end on this machine: the fp32 baseline (cold), one format with the baseline
-cached, and the cache hit. Goal: under 3 minutes per format for the default suite at --limit 100 on smollm2-135m.
+cached, and the cache hit; then print the paired comparison and the quality gate at a budget. Goal: under 3 minutes
+per format for the default suite at --limit 100 on smollm2-135m.
 
-    .venv/bin/python benchmarks/bench_quality.py [--model smollm2-135m] [--quant bnb-nf4] [--limit 100]
+    .venv/bin/python benchmarks/bench_quality.py [--model smollm2-135m] [--quant bnb-nf4] [--limit 100] \
+        [--max-quality-drop 1.0] [--confidence 0.95]
 
 Uses a fresh temporary results folder (so nothing is cached from earlier runs) unless --results-dir is given.
 """
@@ -27,6 +29,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--kld-tokens", type=int, default=None)
     p.add_argument("--device", default="auto")
+    p.add_argument("--max-quality-drop", type=float, default=1.0, help="gate budget, pp (default 1.0)")
+    p.add_argument("--confidence", type=float, default=0.95)
     p.add_argument("--results-dir", default=None, help="reuse this results folder instead of a fresh temporary one")
     args = p.parse_args()
 
@@ -39,9 +43,10 @@ def main() -> int:
 
     import torch
 
+    from tuner.cli.eval import format_gate
     from tuner.config import TrialConfig
     from tuner.evaldata import set_offline
-    from tuner.quality import score_quality
+    from tuner.quality import paired_comparison, quality_gate, score_quality
 
     set_offline()
     config = TrialConfig(model=args.model, quant=args.quant, device=args.device)
@@ -74,9 +79,15 @@ def main() -> int:
     per_format = rows[-1][2]
     print(f"\n{args.quant}: {per_format:.1f} s with the baseline cached "
           f"({'meets' if per_format < 180 else 'MISSES'} the 3-minute goal); cache hit {hit_s * 1000:.0f} ms")
+    paired = {t.name: t for t in paired_comparison(res, args.confidence).tasks}
     for s in res.tasks:
+        pt = paired.get(s.name)
+        pair = (f"   drop {pt.drop_pp:+.1f} pp [{pt.ci_pp[0]:+.1f}, {pt.ci_pp[1]:+.1f}]  McNemar p {pt.mcnemar_p:.3f}  "
+                f"discordant {pt.only_baseline}+{pt.only_candidate}/{pt.n}") if pt else ""
         print(f"  {s.name:<14} {s.metric:<9} {s.acc:.4f} ± {s.acc_stderr:.4f}   fp32 "
-              f"{next(b.acc for b in res.baseline_tasks if b.name == s.name):.4f}")
+              f"{next(b.acc for b in res.baseline_tasks if b.name == s.name):.4f}{pair}")
+    gate = quality_gate(res, args.max_quality_drop, args.confidence)
+    print("\n".join(format_gate(gate)))
     if tmp is not None:
         tmp.cleanup()
     return 0

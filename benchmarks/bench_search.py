@@ -1,15 +1,16 @@
-"""Search benchmarks for `tuner search` on smollm2-135m (figures as ratios from one run).
+"""Search-efficiency benchmark for `tuner search` on smollm2-135m, on the capacity objective.
 
-  grid    measure every config of a small space once, for real, and record the surface (JSON)
-  replay  replay Optuna (the search's own sampler set-up) vs random vs grid order on the recorded surface for
-          10 seeds: median trials to reach 95% of the grid's best feasible throughput
-  gain    re-measure a recommended config and the engine-default baseline side by side (alternating, 3 rounds),
-          at the same workload and SLO: median output tok/s ratio
+  grid    measure every config of a small space for real, once: its capacity within the SLO (tuner.capacity, in a
+          fresh process per config) and its format's quality gate (tuner eval, cached per format). JSON, resumable.
+  replay  replay the real search on the recorded surface -- the search's own sampler (tuner.search.make_sampler),
+          directions, space handling (tuner.space.suggest_config, conditional knobs), quality pruning and
+          normalised constraints (tuner.objective.apply_quality / apply_capacity) -- against random search at equal
+          budget, for 10 seeds: trials to reach 95% of the grid's best feasible capacity.
 
 Usage:
-  .venv/bin/python benchmarks/bench_search.py grid --out results/bench/grid.json
-  .venv/bin/python benchmarks/bench_search.py replay --grid results/bench/grid.json
-  .venv/bin/python benchmarks/bench_search.py gain --recommendation results/<study>/recommendation.json
+  .venv/bin/python benchmarks/bench_search.py grid --out results/bench/capacity-grid.json --slo "ttft:p90<2s"
+  .venv/bin/python benchmarks/bench_search.py replay --grid results/bench/capacity-grid.json
+Goal: median trials <= 20% of the grid, and better than random in >= 8 of 10 seeds.
 """
 
 from __future__ import annotations
@@ -19,156 +20,178 @@ import itertools
 import json
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 MODEL = "smollm2-135m"
-QUANTS = ["fp32", "bf16", "bnb-nf4", "torchao-int8wo", "gptq-int4"]
+QUANTS = ["fp32", "bf16", "bnb-nf4", "torchao-int8wo"]
 CAPS = [1, 2, 4, 8, 16]
 KVS = [0.005, 0.02]
 DRAFTS = ["none", "ngram:3"]
+BASELINE = {"quant": "fp32", "batch_cap": 1, "draft": "none", "kv_fraction": 0.02}
 
 
 def grid_configs() -> list[dict]:
     out = []
-    for q, cap, kv, d in itertools.product(QUANTS, CAPS, KVS, DRAFTS):
-        if d != "none" and cap != 1:
-            continue
-        out.append({"quant": q, "batch_cap": cap, "kv_fraction": kv, "draft": d})
+    for q, cap, d, kv in itertools.product(QUANTS, CAPS, DRAFTS, KVS):
+        if d != "none" and (cap != 1 or kv != KVS[-1]):
+            continue  # drafts only at cap 1; the KV fraction does not apply to them (conditional knob)
+        out.append({"quant": q, "batch_cap": cap, "draft": d, "kv_fraction": kv})
     return out
 
 
-def workload():
-    from tuner.workload import WorkloadSpec
+def key(knobs: dict) -> str:
+    return json.dumps({k: knobs[k] for k in ("quant", "batch_cap", "draft", "kv_fraction")}, sort_keys=True)
 
-    return WorkloadSpec(requests=12, rate=4.0, input_len=(64, 128), output_len=(16, 32), seed=0)
+
+def space_file(path: Path) -> Path:
+    """The grid as a search-space file, so the replay samples through the real space code."""
+    path.write_text(
+        "knobs:\n"
+        f"  quant: {{choices: {json.dumps(QUANTS)}}}\n"
+        f"  batch_cap: {{choices: {json.dumps(CAPS)}}}\n"
+        f"  draft: {{choices: {json.dumps(DRAFTS)}, when: {{batch_cap: [1]}}}}\n"
+        f"  kv_fraction: {{choices: {json.dumps(KVS)}, when: {{draft: [none]}}}}\n"
+        f"baseline: {json.dumps(BASELINE)}\n")
+    return path
 
 
 def cmd_grid(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from tuner.bench import BenchOptions, run_bench
-    from tuner.config import TrialConfig
-
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = json.loads(out.read_text()) if out.is_file() else []
-    seen = {json.dumps(r["knobs"], sort_keys=True) for r in done}
-    opts = BenchOptions(workload=workload(), measure_bandwidth=False, progress=False, keep_requests=False,
-                        verify_draft=0)
-    for knobs in tqdm(grid_configs(), desc="grid"):
-        if json.dumps(knobs, sort_keys=True) in seen:
+    data = json.loads(out.read_text()) if out.is_file() else {"slo": args.slo, "rows": [], "quality": {}}
+    if data["slo"] != args.slo:
+        print(f"{out} was measured with SLO {data['slo']!r}: use another --out", file=sys.stderr)
+        return 2
+    seen = {key(r["knobs"]) for r in data["rows"]}
+    for knobs in grid_configs():
+        if knobs["quant"] not in data["quality"]:
+            data["quality"][knobs["quant"]] = quality_of(knobs["quant"], args)
+            out.write_text(json.dumps(data, indent=1))
+        if key(knobs) in seen:
             continue
-        res = run_bench(TrialConfig(model=MODEL, device="cpu", **knobs), opts)
-        m = res.get("metrics") or {}
-        done.append({"knobs": knobs, "status": res["status"], "reason": res["reason"],
-                     "output_tokens_per_s": m.get("output_tokens_per_s"),
-                     "ttft_p99_ms": (m.get("ttft_ms") or {}).get("p99"), "failed": m.get("failed")})
-        out.write_text(json.dumps(done, indent=1))  # nothing finished is lost
-    print(f"recorded {len(done)} configs in {out}")
+        data["rows"].append({"knobs": knobs, **capacity_of(knobs, args)})
+        r = data["rows"][-1]
+        print(f"{key(knobs)}: {r.get('capacity', {}).get('requests_per_s')} req/s {r['status']}", flush=True)
+        out.write_text(json.dumps(data, indent=1))  # nothing finished is lost
+    print(f"recorded {len(data['rows'])} configs in {out}")
     return 0
 
 
-def feasible_best(surface: dict, target_ms: float) -> float:
-    return max(r["output_tokens_per_s"] for r in surface.values() if is_feasible(r, target_ms))
+def capacity_of(knobs: dict, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "b.json"
+        proc = subprocess.run([sys.executable, "-m", "tuner", "bench", "--model", MODEL, "--quant", knobs["quant"],
+                               "--batch-cap", str(knobs["batch_cap"]), "--kv-fraction", str(knobs["kv_fraction"]),
+                               "--draft", knobs["draft"], "--capacity", "--slo", args.slo, "--input-len",
+                               args.input_len, "--output-len", args.output_len, "--probe-requests",
+                               args.probe_requests, "--max-probes", str(args.max_probes), "--no-bandwidth",
+                               "--quiet", "--json", str(path)], capture_output=True, text=True)
+        if not path.is_file():
+            return {"status": "failed", "reason": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+        res = json.loads(path.read_text())
+    cap = (res.get("metrics") or {}).get("capacity")
+    return {"status": res["status"], "reason": res.get("reason"), "capacity": cap}
 
 
-def is_feasible(r: dict, target_ms: float) -> bool:
-    return r["status"] == "ok" and not r["failed"] and r["ttft_p99_ms"] is not None and r["ttft_p99_ms"] <= target_ms
+def quality_of(quant: str, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "q.json"
+        subprocess.run([sys.executable, "-m", "tuner", "eval", "--model", MODEL, "--quant", quant, "--tasks",
+                        args.tasks, "--limit", str(args.limit), "--max-quality-drop", str(args.max_quality_drop),
+                        "--max-limit", str(4 * args.limit), "--json", str(path)], capture_output=True, text=True)
+        return json.loads(path.read_text()) if path.is_file() else {"error": "quality scoring failed"}
 
 
-def trials_to_reach(order: list[dict], target_ms: float, goal: float) -> int:
-    for i, r in enumerate(order, 1):
-        if is_feasible(r, target_ms) and r["output_tokens_per_s"] >= goal:
-            return i
-    return len(order) + 1
+# ---------------------------------------------------------------------------------------------- replay --- #
+def search_context(data: dict, space_path: Path):
+    from tuner.objective import SearchContext
+    from tuner.space import load_space
+    from tuner.targets import build_slo
+    from tuner.workload import WorkloadSpec
+
+    _, slo = build_slo(None, "ttft:p99", data["slo"])
+    return SearchContext(model=MODEL, device="cpu", space=load_space(space_path), primary=None, slo=slo,
+                         max_quality_drop=data.get("max_quality_drop", 2.0), workload=WorkloadSpec(),
+                         quality_tasks=("arc_easy",), quality_limit=50)
 
 
-def optuna_order(surface: dict, target_ms: float, seed: int, budget: int) -> list[dict]:
+def replay_search(data: dict, ctx, seed: int, budget: int) -> list[dict]:
+    """The real search's decisions on recorded measurements: the order in which it measured configs."""
     import warnings
 
     import optuna
 
-    from tuner.search import make_sampler
+    from tuner.objective import TrialFailed, apply_capacity, apply_quality
+    from tuner.search import DIRECTIONS, make_sampler
+    from tuner.space import suggest_config
 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    sampler = make_sampler(seed, budget)
-    study = optuna.create_study(directions=["maximize", "minimize", "maximize"], sampler=sampler)
-    study.enqueue_trial({"quant": "fp32", "batch_cap": 1, "kv_fraction": 0.005, "draft": "none"})
+    surface = {key(r["knobs"]): r for r in data["rows"]}
+    study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(seed, budget))
+    study.enqueue_trial(dict(ctx.space.baseline), user_attrs={"baseline": True})
     order: list[dict] = []
 
     def objective(trial):
-        q = trial.suggest_categorical("quant", QUANTS)
-        cap = trial.suggest_categorical("batch_cap", CAPS)
-        kv = trial.suggest_categorical("kv_fraction", KVS)
-        d = trial.suggest_categorical("draft", DRAFTS) if cap == 1 else "none"
-        r = surface[key({"quant": q, "batch_cap": cap, "kv_fraction": kv, "draft": d})]
+        config = suggest_config(trial, ctx.space, MODEL, "cpu")
+        r = surface[key(config.to_dict())]
         order.append(r)
-        if r["status"] != "ok":
-            trial.set_constraint("ttft", 1e12)
-            return 0.0, 1e9, 0.0
-        trial.set_constraint("ttft", r["ttft_p99_ms"] - target_ms)
-        trial.set_constraint("failed", float(r["failed"] or 0))
-        return r["output_tokens_per_s"], r["ttft_p99_ms"], 0.0
+        apply_quality(trial, ctx, config, data["quality"][config.quant])
+        if r["status"] != "ok" or not r.get("capacity"):
+            raise TrialFailed(r.get("reason") or "failed")
+        return apply_capacity(trial, ctx, r["capacity"], data["quality"][config.quant])
 
-    study.optimize(objective, n_trials=budget)
+    study.optimize(objective, n_trials=budget, catch=(TrialFailed,))
     return order
 
 
-def key(knobs: dict) -> str:
-    return json.dumps(knobs, sort_keys=True)
+def feasible_capacity(r: dict, data: dict, ctx) -> float:
+    """The capacity of a config if the search would call it feasible (same constraint functions), else 0."""
+    from tuner.objective import quality_constraint, slo_constraints
+
+    if r["status"] != "ok" or not r.get("capacity"):
+        return 0.0
+    q = data["quality"][r["knobs"]["quant"]]
+    cons = slo_constraints(r["capacity"], ctx) + [quality_constraint(q, ctx)]
+    return float(r["capacity"]["requests_per_s"] or 0.0) if all(c <= 0 for c in cons) else 0.0
+
+
+def trials_to_reach(order: list[dict], data: dict, ctx, goal: float) -> int:
+    for i, r in enumerate(order, 1):
+        if feasible_capacity(r, data, ctx) >= goal:
+            return i
+    return len(order) + 1
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    rows = json.loads(Path(args.grid).read_text())
-    surface = {key(r["knobs"]): r for r in rows}
-    ok = sorted(r["ttft_p99_ms"] for r in rows if r["status"] == "ok" and not r["failed"])
-    target = args.target_ms or ok[len(ok) // 2]  # default: half of the grid meets the target
-    best = feasible_best(surface, target)
+    data = json.loads(Path(args.grid).read_text())
+    data["max_quality_drop"] = args.max_quality_drop
+    with tempfile.TemporaryDirectory() as d:
+        ctx = search_context(data, space_file(Path(d) / "space.yaml"))
+    best = max(feasible_capacity(r, data, ctx) for r in data["rows"])
+    if best <= 0:
+        print("no feasible config in the grid: nothing to reach")
+        return 1
     goal = 0.95 * best
-    n = len(rows)
-    grid_n = trials_to_reach(rows, target, goal)
-    res = {"optuna": [], "random": []}
-    for seed in range(10):
-        res["optuna"].append(trials_to_reach(optuna_order(surface, target, seed, n), target, goal))
-        shuffled = rows[:]
+    n = len(data["rows"])
+    res: dict[str, list[int]] = {"search": [], "random": []}
+    for seed in range(args.seeds):
+        res["search"].append(trials_to_reach(replay_search(data, ctx, seed, n), data, ctx, goal))
+        shuffled = data["rows"][:]
         random.Random(seed).shuffle(shuffled)
-        res["random"].append(trials_to_reach(shuffled, target, goal))
-    wins = sum(o < r for o, r in zip(res["optuna"], res["random"]))
-    print(f"grid: {n} configs, target ttft:p99 <= {target:.0f} ms, best feasible {best:.2f} out tok/s, "
-          f"goal 95% = {goal:.2f}")
-    print(f"trials to reach the goal (10 seeds): optuna {res['optuna']}, random {res['random']}, grid order {grid_n}")
-    print(f"median: optuna {statistics.median(res['optuna']):.1f} "
-          f"({100 * statistics.median(res['optuna']) / n:.0f}% of the grid), random "
-          f"{statistics.median(res['random']):.1f}, grid order {grid_n}; optuna better than random in {wins}/10 "
-          "seeds (goal: <= 20% of the grid and >= 8/10)")
-    return 0
-
-
-def cmd_gain(args: argparse.Namespace) -> int:
-    from tuner.bench import BenchOptions, run_bench
-    from tuner.config import TrialConfig
-    from tuner.workload import WorkloadSpec
-
-    rec = json.loads(Path(args.recommendation).read_text())
-    best = TrialConfig.from_dict(rec["recommendation"]["config"])
-    base = TrialConfig.from_dict(rec["baseline"]["config"])
-    w = rec.get("workload") or {}
-    spec = WorkloadSpec(requests=args.requests, rate=args.rate, input_len=(64, 192), output_len=(24, 48), seed=0) \
-        if not w else WorkloadSpec(**{**w, "input_len": tuple(w["input_len"]), "output_len": tuple(w["output_len"])})
-    opts = BenchOptions(workload=spec, measure_bandwidth=False, progress=False, keep_requests=False, verify_draft=0)
-    ratios, tb, tr = [], [], []
-    for i in range(args.rounds):
-        b = run_bench(base, opts)["metrics"]
-        r = run_bench(best, opts)["metrics"]
-        tb.append(b["output_tokens_per_s"])
-        tr.append(r["output_tokens_per_s"])
-        ratios.append(r["output_tokens_per_s"] / b["output_tokens_per_s"])
-        print(f"round {i + 1}: baseline {tb[-1]:.2f} tok/s (ttft p99 {b['ttft_ms']['p99']:.0f} ms), recommended "
-              f"{tr[-1]:.2f} tok/s (ttft p99 {r['ttft_ms']['p99']:.0f} ms) -> {ratios[-1]:.2f}x", flush=True)
-    print(f"gain: recommended {best.quant} cap {best.batch_cap} draft {best.draft} vs baseline {base.quant} cap "
-          f"{base.batch_cap}: median {statistics.median(ratios):.2f}x output tok/s (goal >= 3x)")
+        res["random"].append(trials_to_reach(shuffled, data, ctx, goal))
+    wins = sum(o < r for o, r in zip(res["search"], res["random"]))
+    ties = sum(o == r for o, r in zip(res["search"], res["random"]))
+    med = statistics.median(res["search"])
+    print(f"grid: {n} configs, SLO {data['slo']}, quality budget {args.max_quality_drop} pp; best feasible capacity "
+          f"{best:.3f} req/s, goal 95% = {goal:.3f}")
+    print(f"trials to reach the goal ({args.seeds} seeds): search {res['search']}, random {res['random']}")
+    print(f"median: search {med:.1f} ({100 * med / n:.0f}% of the grid), random {statistics.median(res['random']):.1f};"
+          f" search better than random in {wins}/{args.seeds} seeds ({ties} ties) (goal: <= 20% of the grid and "
+          ">= 8/10)")
     return 0
 
 
@@ -176,17 +199,21 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("grid")
-    g.add_argument("--out", default="results/bench/grid.json")
+    g.add_argument("--out", default="results/bench/capacity-grid.json")
+    g.add_argument("--slo", default="ttft:p90<2s")
+    g.add_argument("--input-len", default="32:128")
+    g.add_argument("--output-len", default="16:32")
+    g.add_argument("--probe-requests", default="30:60")
+    g.add_argument("--max-probes", type=int, default=4)
+    g.add_argument("--tasks", default="arc_easy,piqa")
+    g.add_argument("--limit", type=int, default=50)
+    g.add_argument("--max-quality-drop", type=float, default=2.0)
     r = sub.add_parser("replay")
-    r.add_argument("--grid", default="results/bench/grid.json")
-    r.add_argument("--target-ms", type=float)
-    gn = sub.add_parser("gain")
-    gn.add_argument("--recommendation", required=True)
-    gn.add_argument("--rounds", type=int, default=3)
-    gn.add_argument("--requests", type=int, default=16)
-    gn.add_argument("--rate", type=float, default=2.0)
+    r.add_argument("--grid", default="results/bench/capacity-grid.json")
+    r.add_argument("--max-quality-drop", type=float, default=2.0)
+    r.add_argument("--seeds", type=int, default=10)
     args = ap.parse_args()
-    return {"grid": cmd_grid, "replay": cmd_replay, "gain": cmd_gain}[args.cmd](args)
+    return {"grid": cmd_grid, "replay": cmd_replay}[args.cmd](args)
 
 
 if __name__ == "__main__":

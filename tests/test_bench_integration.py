@@ -33,7 +33,9 @@ def test_continuous_batching_bench():
     for r in out["requests"]:
         assert 8 <= r["output_tokens"] <= 16  # fixed lengths (EOS ignored)
         assert 0 < r["ttft_ms"] <= r["e2e_ms"]
-        assert len(r["itl_ms"]) == r["output_tokens"] - 1
+        assert 1 <= r["chunks"] <= r["output_tokens"] and len(r["itl_ms"]) == r["chunks"] - 1  # a gap per chunk
+        assert r["e2e_ms"] == pytest.approx(r["ttft_ms"] + sum(r["itl_ms"]), abs=0.5)  # E2E at the last token
+        assert r["dispatch_lag_ms"] >= 0
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert_ordered(m[key])
     assert m["ttft_ms"]["p99"] <= m["e2e_ms"]["p99"]
@@ -44,6 +46,35 @@ def test_continuous_batching_bench():
     assert out["engine"]["settings"]["max_memory_percent"] == 0.01
     assert m["harness_overhead_ms"]["p50"] is not None and m["harness_overhead_ms"]["p50"] >= 0
     assert m["roofline"]["bytes_per_token"] > 100e6  # ~135M params in bf16
+    assert out["warmup"]["n"] == 4 and out["warmup"]["failed"] == 0  # warm-up at the batch cap, from the workload
+    assert m["ttft_ms"]["n"] == 6 and m["itl_ms"]["n"] == sum(len(r["itl_ms"]) for r in out["requests"])
+    lo, hi = m["e2e_ms"]["ci"]["p50"]
+    assert lo <= m["e2e_ms"]["p50"] <= hi
+
+
+def test_capacity_on_the_real_engine(tmp_path):
+    """`tuner bench --capacity` end to end on smollm2 (a small probe budget): the interface the search reads."""
+    path = tmp_path / "cap.json"
+    proc = run_tuner("bench", "--model", MODEL, "--quant", "bf16", "--batch-cap", "2", "--kv-fraction", "0.01",
+                     "--input-len", "32:64", "--output-len", "6:8", "--capacity", "--slo", "e2e:p50<60s",
+                     "--probe-requests", "8:12", "--max-probes", "2", "--no-bandwidth", "--quiet",
+                     "--json", str(path), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "capacity:" in proc.stdout and "verdict" in proc.stdout
+    cap = json.loads(path.read_text())["metrics"]["capacity"]
+    assert set(cap) >= {"requests_per_s", "requests_per_s_ci", "output_tokens_per_s", "verdict", "probes",
+                        "saturation", "warmup", "cost", "slo"}
+    assert cap["verdict"] in ("meets", "misses", "indeterminate") and cap["slo"]["bounds"] == ["e2e:p50<60000ms"]
+    assert cap["saturation"]["requests_per_s"] > 0 and cap["warmup"]["failed"] == 0
+    assert 1 <= len(cap["probes"]) <= 2 and cap["cost"]["probes"] == len(cap["probes"])
+    for p in cap["probes"]:
+        assert p["rate_rps"] < cap["saturation"]["requests_per_s"]  # never probed above the saturation rate
+        assert p["n"] >= 8 and p["verdict"] in ("meets", "misses", "indeterminate")
+        assert set(p["ttft_ms"]) >= {"p50", "p99", "n", "ci"}
+    lo, hi = cap["requests_per_s_ci"]
+    assert lo == cap["requests_per_s"] <= hi
+    if cap["verdict"] == "meets":  # a minute of E2E at the median is far above what smollm2 takes here
+        assert cap["requests_per_s"] > 0 and cap["output_tokens_per_s"] > 0
 
 
 def test_ngram_draft_output_equals_no_draft_output():
@@ -71,11 +102,12 @@ def test_self_draft_accepts_almost_everything():
 
 
 def test_kv_memory_too_small_fails_with_reason():
-    """A KV fraction far too small for any request: the engine fails every request; the run says so, no crash."""
+    """A KV fraction far too small for any request: the engine fails the warm-up (drawn from the workload); the
+    run says so with the engine's reason, no crash."""
     out = run_bench(TrialConfig(model=MODEL, quant="bf16", batch_cap=2, kv_fraction=1e-6), options())
     assert out["status"] == "failed"
-    assert "requests failed" in out["reason"]
-    assert out["metrics"]["completed"] == 0 and out["metrics"]["failed"] == 6
+    assert "every warm-up request failed" in out["reason"]
+    assert out["metrics"] is None
 
 
 def test_unsupported_format_is_reported_not_raised():
@@ -95,7 +127,7 @@ def test_cli_bench_writes_json(tmp_path):
     assert data["config"]["batch_cap"] == 2
     m = data["metrics"]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-        assert set(m[key]) == {"p50", "p90", "p95", "p99", "mean"}
+        assert set(m[key]) == {"p50", "p90", "p95", "p99", "mean", "n", "ci"}
     for key in ("output_tokens_per_s", "requests_per_s", "completed", "failed", "peak_rss_mb", "peak_cuda_mb",
                 "acceptance_rate", "goodput_requests_per_s"):
         assert key in m
@@ -145,3 +177,30 @@ def test_bad_model_sources(tmp_path):
     truncated.write_bytes(alias_gguf(MODEL).read_bytes()[: 5 * 2**20])
     assert_one_line_error(run_tuner("bench", "--model", str(truncated)), "truncated or corrupt")
     assert_one_line_error(run_tuner("bench", "--model", str(tmp_path / "missing.gguf")), "does not exist")
+
+
+def test_batch_cap_bounds_the_sequences_generating_at_once():
+    """Knob -> effect, from the harness's own timestamps: with 8 requests offered at once and batch cap 2, no more
+    than 2 requests are ever between their first and last token (CB schedules at most `batch_cap` sequences)."""
+    spec = WorkloadSpec(requests=8, rate=None, concurrency=8, input_len=(16, 32), output_len=(12, 12), seed=1)
+    out = run_bench(TrialConfig(model=MODEL, quant="bf16", batch_cap=2, kv_fraction=0.01), options(workload=spec))
+    assert out["status"] == "ok", out["reason"]
+    spans = [(r["send_s"] + r["ttft_ms"] / 1e3, r["send_s"] + r["e2e_ms"] / 1e3) for r in out["requests"]]
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    assert peak == 2
+
+
+def test_kv_fraction_maps_monotonically_to_kv_blocks():
+    """Knob -> effect: a larger KV fraction resolves to more paged-KV blocks in transformers' CB."""
+    blocks = []
+    for kv in (0.002, 0.01, 0.04):
+        out = run_bench(TrialConfig(model=MODEL, quant="bf16", batch_cap=2, kv_fraction=kv),
+                        options(workload=WorkloadSpec(requests=2, rate=None, concurrency=2, input_len=(16, 16),
+                                                      output_len=(2, 2), seed=0)))
+        assert out["status"] == "ok", out["reason"]
+        blocks.append(out["engine"]["info"]["resolved"]["num_blocks"])
+    assert blocks[0] < blocks[1] < blocks[2], blocks

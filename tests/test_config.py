@@ -60,8 +60,22 @@ def test_unknown_key_rejected():
         TrialConfig.from_dict({"model": "m", "tp": 2})
 
 
-def test_formats_listed():
-    assert {"fp32", "bf16", "fp16", "bnb-int8", "bnb-nf4", "bnb-fp4", "torchao-int8wo", "gptq-int4"} <= set(FORMATS)
+def test_every_format_is_documented_with_its_device_limit():
+    """The README's `--quant` row lists exactly the formats a config accepts, and marks "(CUDA)" exactly those that
+    cannot run on CPU because of the device (a missing package is another reason, not a device limit)."""
+    import re
+    from pathlib import Path
+
+    from tuner.quantize import unsupported_reason
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    (row,) = [ln for ln in readme.splitlines() if ln.startswith("| quantization format | `--quant` |")]
+    documented = dict(re.findall(r"`([a-z0-9-]+)`( \(CUDA\))?", row.split("|")[3]))
+    assert set(documented) == set(FORMATS)
+    for quant, cuda_mark in documented.items():
+        assert TrialConfig(model="m", quant=quant).quant == quant
+        on_cpu, on_cuda = unsupported_reason(quant, "cpu"), unsupported_reason(quant, "cuda")
+        assert bool(cuda_mark) == (on_cpu is not None and on_cpu != on_cuda), (quant, on_cpu, on_cuda)
 
 
 def test_import_tuner_is_light():

@@ -40,6 +40,9 @@ METRICS = {"ttft_ms": {"p50": 41.5, "p90": 80.2, "p95": 95.0, "p99": 120.25, "me
            "output_tokens_per_s": 412.75, "requests_per_s": 6.5, "completed": 64, "failed": 0,
            "peak_rss_mb": 1500.0, "peak_cuda_mb": 0.0, "acceptance_rate": None}
 CTX = Context(study="golden", trial=7, engine=ENGINE, metrics=METRICS)
+CAPACITY = {"requests_per_s": 3.25, "requests_per_s_ci": [3.25, 3.9], "verdict": "meets",
+            "slo": {"bounds": ["ttft:p99<300ms"], "targets_ms": {"tpot_ms": 50.0}, "attainment": 0.9,
+                    "confidence": 0.95}}
 
 CASES = {
     "bf16-none": TrialConfig("smollm2-135m", "bf16", 8, 0.05, "none", "cuda"),
@@ -130,6 +133,22 @@ def test_export_json_is_accepted_by_bench_config() -> None:
         assert TrialConfig.from_json(exp.to_json()) == CASES[case]
         assert data["measured"]["engine"] == ENGINE and data["source"] == {"study": "golden", "trial": 7}
         assert data["argv"] == exp.argv and len(data["notes"]) == len(exp.notes)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_capacity_and_its_slo_are_stated_when_measured(target: str) -> None:
+    """A trial measured by the capacity search: every file's header states the capacity with the SLO it was
+    measured under and its verdict, and the JSON keeps the whole record (a later `bench --capacity` reads its SLO);
+    a trial without one claims none."""
+    ctx = Context(study="golden", trial=7, engine=ENGINE, metrics={**METRICS, "capacity": CAPACITY})
+    exp = do_export(target, CASES["bf16-none"], ctx)
+    for name, text in exp.files.items():
+        (line,) = [ln for ln in text.splitlines() if "Capacity:" in ln]
+        assert "3.25 req/s" in line and "ttft:p99<300ms" in line and "tpot<50ms" in line and "(meets)" in line, name
+    assert json.loads(exp.to_json())["measured"]["metrics"]["capacity"] == CAPACITY
+    plain = do_export(target, CASES["bf16-none"], CTX)
+    assert not any("Capacity:" in text for text in plain.files.values())
+    assert "capacity" not in json.loads(plain.to_json())["measured"]["metrics"]
 
 
 # ------------------------------------------------------------------------------------------ memory formula --- #
@@ -348,6 +367,8 @@ configs = [{CASES['bf16-none'].to_dict()!r}, {CASES['nf4-ngram3'].to_dict()!r}]
 for value, cfg in enumerate(configs):
     t = s.ask()
     t.set_user_attr("config", cfg); t.set_user_attr("metrics", metrics); t.set_user_attr("engine", engine)
+    if value == 1:
+        t.set_user_attr("capacity", {CAPACITY!r})  # as `tuner search` stores it, apart from the metrics
     s.tell(t, float(value))
 t = s.ask(); t.set_user_attr("reason", "OOM while loading"); s.tell(t, state=optuna.trial.TrialState.FAIL)
 t = s.ask(); s.tell(t, 3.0)
@@ -373,11 +394,13 @@ def test_cli_best_to_stdout_and_trial_to_json(study_dir: Path) -> None:
     assert best.returncode == 0, best.stderr
     assert "# ==> vllm-config.yaml <==" in best.stdout and "study 's1', trial 1" in best.stdout
     assert "speculative-config" in best.stdout and "ngram" in best.stdout
+    assert "# Capacity: 3.25 req/s [3.25, 3.9] within the SLO ttft:p99<300ms" in best.stdout  # from the trial
     assert "warning: engine:" in best.stderr and "Traceback" not in best.stderr
     assert out.returncode == 0, out.stderr
     data = (study_dir / "exported.json").read_text()
     assert TrialConfig.from_json(data) == CASES["bf16-none"]
     assert json.loads(data)["measured"]["engine"]["name"] == "transformers-cb"
+    assert "capacity" not in json.loads(data)["measured"]["metrics"]  # trial 0 has none
     # tuner bench --config reads it: same parser as `tuner bench` uses
     again = tuner(study_dir, "--config", "exported.json", "--to", "tgi", "--format", "json")
     assert again.returncode == 0, again.stderr

@@ -1,5 +1,6 @@
 """Cross-check against lm-eval itself: the stock `lm_eval` command line, pointed at our resolved task folder and the
-fp32 checkpoint, must report the same per-task accuracy and stderr as `score_quality` on the same items."""
+fp32 checkpoint, must report the same per-task accuracy and stderr as `score_quality` on the same items, and (with
+`--log_samples`) the same per-item values, under the same doc ids, that the paired comparison matches on."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_score_equals_stock_lm_eval_cli(tmp_path: Path, monkeypatch: pytest.Monk
     out = tmp_path / "lm_eval_out"
     cmd = [str(LM_EVAL), "--model", "hf", "--model_args", f"pretrained={checkpoint_dir(MODEL)},dtype=float32",
            "--include_path", str(include), "--tasks", ",".join(DEFAULT_SUITE), "--limit", str(LIMIT),
-           "--seed", str(SEED), "--batch_size", str(BATCH_SIZE), "--device", "cpu", "--output_path", str(out)]
+           "--seed", str(SEED), "--batch_size", str(BATCH_SIZE), "--device", "cpu", "--output_path", str(out),
+           "--log_samples"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -49,6 +51,12 @@ def test_score_equals_stock_lm_eval_cli(tmp_path: Path, monkeypatch: pytest.Monk
         res = stock["results"][task.name]
         assert abs(res[f"{task.metric},none"] - task.acc) <= 1e-6, (task, res)
         assert abs(res[f"{task.metric}_stderr,none"] - task.acc_stderr) <= 1e-6, (task, res)
+        # per item: stock lm-eval's logged samples against the values the paired comparison uses
+        logged = sorted(out.rglob(f"samples_{task.name}_*.jsonl"))
+        assert len(logged) == 1, [p.name for p in out.rglob("samples_*")]
+        rows = [json.loads(line) for line in logged[0].read_text().splitlines() if line.strip()]
+        stock_items = {str(r["doc_id"]): float(r[task.metric]) for r in rows}
+        assert stock_items == dict(task.items), task.name
     expected_metric = {"arc_easy": "acc_norm", "arc_challenge": "acc_norm", "hellaswag": "acc_norm",
                        "piqa": "acc_norm", "winogrande": "acc"}
     assert {t.name: t.metric for t in ours.tasks} == expected_metric

@@ -22,7 +22,27 @@ def test_percentiles_match_numpy(xs):
 
 
 def test_summarize_empty_is_none():
-    assert summarize([]) == {"p50": None, "p90": None, "p95": None, "p99": None, "mean": None}
+    assert summarize([]) == {"p50": None, "p90": None, "p95": None, "p99": None, "mean": None, "n": 0,
+                             "ci": {"p50": [None, None], "p90": [None, None], "p95": [None, None],
+                                    "p99": [None, None]}}
+
+
+def test_percentile_intervals_are_the_textbook_order_statistics():
+    """Distribution-free 95% intervals of the median from the standard tables (Conover, Practical Nonparametric
+    Statistics): ranks 6 and 15 of 20 samples, ranks 40 and 61 of 100; the input order does not matter."""
+    import random
+
+    xs = [float(v) for v in range(1, 101)]
+    random.Random(0).shuffle(xs)
+    s = summarize(xs)
+    assert s["n"] == 100
+    assert s["ci"]["p50"] == [40.0, 61.0]
+    for p in ("p50", "p90", "p95"):
+        lo, hi = s["ci"][p]
+        assert lo <= s[p] <= hi, p
+    assert s["ci"]["p99"][1] is None  # 100 samples cannot bound p99 from above at 97.5%
+    assert summarize(range(1, 21))["ci"]["p50"] == [6.0, 15.0]
+    assert summarize([3.0, 1.0])["ci"]["p50"] == [None, None]  # two samples bound nothing at 97.5% a side
 
 
 def test_percentile_single():
@@ -51,9 +71,18 @@ def test_compute_metrics_by_hand():
     assert m["ttft_ms"]["p50"] == pytest.approx(150.0)
     assert m["tpot_ms"]["mean"] == pytest.approx(75.0)
     assert m["itl_ms"]["mean"] == pytest.approx((300 + 100) / 5)
+    assert (m["ttft_ms"]["n"], m["tpot_ms"]["n"], m["itl_ms"]["n"], m["e2e_ms"]["n"]) == (2, 2, 5, 2)  # failed: none
     assert m["e2e_ms"]["p99"] == pytest.approx(np.percentile([400.0, 300.0], 99))
     assert m["acceptance_rate"] is None
     assert m["errors"] == ["boom"]
+
+
+def test_dispatch_lag_is_summarized():
+    results = [RequestResult(index=i, prompt_tokens=4, output_tokens=2, ttft_ms=10.0, e2e_ms=20.0,
+                             dispatch_lag_ms=lag) for i, lag in enumerate([0.5, 1.5, None])]
+    lag = compute_metrics(results, 1.0)["dispatch_lag_ms"]
+    assert lag["n"] == 2 and lag["mean"] == pytest.approx(1.0) and lag["p50"] == pytest.approx(1.0)
+    assert compute_metrics(results[2:], 1.0)["dispatch_lag_ms"]["n"] == 0
 
 
 def test_acceptance_rate_and_goodput():

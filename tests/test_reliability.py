@@ -73,9 +73,10 @@ def assert_clean(tmp: Path) -> None:
 
 
 def search_argv(tmp: Path, *extra: str, space: str = SPACE, model: str = "smollm2-135m", trials: int = 1) -> list:
-    return tuner_argv("search", "--model", model, "--space", space, "--latency-target", "60s", "--no-quality",
-                      "--trials", str(trials), "--results-dir", str(tmp / "res"), "--study", "rel", "--seed", "0",
-                      "--quiet", *extra)
+    # p50: the spaces' few requests per probe can show it met (a p99 would need 299 requests per probe)
+    return tuner_argv("search", "--model", model, "--space", space, "--latency-target", "60s", "--latency-metric",
+                      "ttft:p50", "--no-quality", "--trials", str(trials), "--results-dir", str(tmp / "res"),
+                      "--study", "rel", "--seed", "0", "--quiet", *extra)
 
 
 def search_env(tmp: Path, **extra: str) -> dict:
@@ -103,13 +104,15 @@ def trials_of(tmp: Path, storage: str | None = None) -> list:
 
 
 def bench_child(search_pid: int, not_pid: int | None = None, timeout: float = 300):
-    """The `tuner.child bench` process under `search_pid` (another one than `not_pid`), and its trial number."""
+    """The `tuner.child bench` process started by `search_pid` (another one than `not_pid`), and its trial number.
+    Direct children only: a fork the bench child makes (a library running a helper command) carries the same
+    command line for a moment, and signalling it instead would test nothing."""
     import psutil
 
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            kids = psutil.Process(search_pid).children(recursive=True)
+            kids = psutil.Process(search_pid).children(recursive=False)
         except psutil.NoSuchProcess:
             break
         for k in kids:
@@ -142,7 +145,7 @@ def test_segfault_and_exit_codes_come_back_as_one_line(tmp_path):
     assert err.returncode == 1 and err.reason == "ValueError: boom"
     hang = run_process([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "hang.log", 1,
                        child_env(None, None))
-    assert hang.returncode is None and hang.reason.startswith("timed out after 1 s") and hang.wall_s < 10
+    assert hang.returncode is None and hang.reason.startswith("timed out after 1 s")
     oom = run_process([sys.executable, "-c", "import resource; n = 400 << 20; "
                                              "resource.setrlimit(resource.RLIMIT_AS, (n, n)); b = bytearray(n)"],
                       tmp_path / "oom.log", 60, child_env(None, None), memory_bytes=400 << 20)
@@ -187,7 +190,7 @@ def test_dead_workers_trials_are_failed_with_a_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("TUNER_HEARTBEAT_S", "1")
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study(study_name="s", storage=open_storage(f"sqlite:///{tmp_path / 'db.sqlite'}"),
-                                directions=["maximize", "minimize", "maximize"])
+                                directions=["maximize", "maximize"])
     dead = subprocess.run([sys.executable, "-c", "from tuner.search import worker_tag; print(worker_tag())"],
                           cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     tags = [dead, "another-host:123:456", worker_tag()]
@@ -282,13 +285,11 @@ def test_config_that_runs_out_of_its_memory_fails(tmp_path):
 def test_trial_past_its_time_limit_is_stopped(tmp_path):
     """A workload of 2 x 4000 output tokens cannot finish in 8 s: the trial is stopped and failed, and the search
     goes on to its next trial."""
-    t0 = time.time()
     proc = run_search(tmp_path, "--trial-timeout", "8s", space=SLOW_SPACE, trials=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     t = trials_of(tmp_path)
     assert [x.state.name for x in t] == ["FAIL", "FAIL"]
     assert all(reason(x).startswith("timed out after 8 s (trial time limit)") for x in t)
-    assert time.time() - t0 < 120
     assert_clean(tmp_path)
 
 
@@ -323,14 +324,14 @@ def test_exception_while_quantizing_fails_the_trial(tmp_path):
 
 @pytest.mark.slow
 def test_kv_cache_too_small_for_every_request(tmp_path):
-    """No request fits in the KV cache: the engine gives back no token; the trial is failed (or pruned half-way)
+    """No request fits in the KV cache: the engine gives back no token, already in the warm-up; the trial is failed
     with the reason, not recorded as a fast configuration."""
     proc = run_search(tmp_path, space=SMALL_KV_SPACE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (t,) = trials_of(tmp_path)
-    assert t.state.name in ("FAIL", "PRUNED")
+    assert t.state.name == "FAIL"
     r = reason(t)
-    assert "failed" in r and "request" in r, r
+    assert "every warm-up request failed" in r, r  # found before any rate is probed
     assert_clean(tmp_path)
 
 

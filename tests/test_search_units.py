@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,7 @@ import pytest
 from tuner.errors import TunerError
 from tuner.space import default_space_path, load_space, suggest_config
 from tuner.study import Row, answer, pareto_front, trials_csv
-from tuner.targets import Bound, build_bounds, parse_duration_s, parse_metric, parse_slo, parse_time_ms
+from tuner.targets import Bound, build_slo, parse_duration_s, parse_metric, parse_slo, parse_slo_terms, parse_time_ms
 
 
 @pytest.mark.parametrize("text,ms", [("300ms", 300.0), ("1.5s", 1500.0), ("2 s", 2000.0), ("0.5ms", 0.5)])
@@ -44,12 +43,26 @@ def test_bad_slo(text, needle):
         parse_slo(text)
 
 
-def test_build_bounds_target_overrides_same_key():
-    primary, bounds = build_bounds("300ms", "ttft:p99", "ttft:p99<1s;tpot:p50<50ms")
+def test_build_slo_target_overrides_same_key():
+    primary, slo = build_slo("300ms", "ttft:p99", "ttft:p99<1s;tpot:p50<50ms")
     assert primary == Bound("ttft", "p99", 300.0)
-    assert sorted(map(str, bounds)) == ["tpot:p50<50ms", "ttft:p99<300ms"]
+    assert sorted(map(str, slo.bounds)) == ["tpot:p50<50ms", "ttft:p99<300ms"]
     with pytest.raises(TunerError, match="no latency target"):
-        build_bounds(None, "ttft:p99", None)
+        build_slo(None, "ttft:p99", None)
+
+
+def test_per_request_targets_and_attainment():
+    bounds, targets = parse_slo_terms("ttft<300ms;tpot<50ms;e2e:p90<2s")
+    assert bounds == [Bound("e2e", "p90", 2000.0)] and targets == {"ttft_ms": 300.0, "tpot_ms": 50.0}
+    primary, slo = build_slo(None, "ttft:p99", "ttft<300ms;tpot<50ms", attainment=0.9)
+    assert primary is None and slo.attainment == 0.9 and slo.targets == {"ttft_ms": 300.0, "tpot_ms": 50.0}
+    assert build_slo(None, "ttft:p99", "ttft<300ms")[1].attainment == 0.95  # the documented default
+    with pytest.raises(TunerError, match="--attainment 0.9 needs per-request targets"):
+        build_slo("300ms", "ttft:p99", None, attainment=0.9)
+    with pytest.raises(TunerError, match="--attainment 1.5 is invalid"):
+        build_slo(None, "ttft:p99", "ttft<1s", attainment=1.5)
+    with pytest.raises(TunerError, match="per-request target METRIC<TIME with METRIC in ttft, tpot, e2e"):
+        parse_slo_terms("itl<30ms")
 
 
 @pytest.mark.parametrize("text,s", [("20m", 1200), ("90s", 90), ("1.5h", 5400)])
@@ -68,7 +81,7 @@ def test_default_spaces_are_valid():
         space = load_space(default_space_path(dev))
         assert set(space.knobs) == {"quant", "batch_cap", "kv_fraction", "draft"}
         assert space.baseline["batch_cap"] == 1 and space.baseline["draft"] == "none"
-        assert space.baseline["quant"] in space.knobs["quant"].choices  # enqueueable
+        assert space.knobs["kv_fraction"].when == {"draft": ("none",)}  # KV fraction only where it applies
 
 
 @pytest.mark.parametrize("body,needle", [
@@ -114,61 +127,68 @@ def test_conditional_draft_and_fixed_trial(tmp_path):
     assert space.knobs["quant"].choices == ("fp32", "bf16")  # the fp32 baseline is made a point of the space
 
 
-NAMES = ["ttft:p99<300ms", "quality drop<=1pp", "failed requests=0"]
-PRIMARY = Bound("ttft", "p99", 300.0)
+NAMES = ["ttft:p90<300ms", "SLO shown to hold", "quality drop<=1pp (upper bound)"]
 
 
-def row(n, quant, cap, tok_s, ttft99, drop, failed=0, state="COMPLETE", score=0.5):
-    metrics = {"output_tokens_per_s": tok_s, "ttft_ms": {"p99": ttft99}, "failed": failed}
-    q = {"score": score, "drop_pp": drop}
-    cons = [ttft99 - 300.0, drop - 1.0, float(failed)] if state == "COMPLETE" else None
-    return Row(n, state, {"quant": quant, "batch_cap": cap, "kv_fraction": 0.01, "draft": "none"}, metrics, q,
-               cons, None if state == "COMPLETE" else "pruned early", None)
+def row(n, quant, cap, rps, ci, ttft90, drop_hi, state="COMPLETE", score=0.5, verdict="meets"):
+    capacity = {"requests_per_s": rps, "requests_per_s_ci": list(ci), "output_tokens_per_s": rps * 30,
+                "verdict": verdict, "probes": []}
+    q = {"score": score, "drop_pp": drop_hi / 2, "gate": {"drop_ci_pp": [0.0, drop_hi]}}
+    cons = [(ttft90 - 300.0) / 300.0, 0.0 if verdict == "meets" else 0.1, drop_hi - 1.0]
+    return Row(n, state, {"quant": quant, "batch_cap": cap, "kv_fraction": 0.01, "draft": "none"},
+               {"ttft_ms": {"p90": ttft90}}, q, cons, None if state == "COMPLETE" else "pruned on quality", None,
+               capacity if state == "COMPLETE" else None, "transformers-cb")
 
 
 def test_answer_on_hand_made_trials():
     rows = [
-        row(0, "fp32", 1, 10.0, 250.0, 0.0, score=0.50),  # baseline, feasible
-        row(1, "bf16", 8, 40.0, 290.0, 0.2, score=0.498),  # best feasible
-        row(2, "bnb-nf4", 16, 60.0, 280.0, 3.0, score=0.47),  # faster but breaks the quality budget
-        row(3, "bf16", 16, 55.0, 450.0, 0.2),  # faster but misses the latency target
-        row(4, "bf16", 4, 30.0, 200.0, 0.2, score=0.498),  # feasible runner-up, lower latency
-        row(5, "bf16", 32, 0.0, 0.0, 0.0, state="PRUNED"),
-        row(6, "bf16", 2, 35.0, 260.0, 0.2, failed=1),  # a failed request makes it infeasible
+        row(0, "fp32", 1, 0.5, (0.5, 0.6), 250.0, 0.0, score=0.50),  # baseline, feasible
+        row(1, "bf16", 8, 2.0, (2.0, 2.2), 290.0, 0.8, score=0.498),  # best feasible
+        row(2, "bnb-nf4", 16, 3.0, (3.0, 3.3), 280.0, 3.0, score=0.47),  # more capacity, out of quality budget
+        row(3, "bf16", 16, 2.5, (2.5, 2.8), 450.0, 0.8, verdict="indeterminate"),  # undecided: not feasible
+        row(4, "bf16", 4, 1.9, (1.9, 2.1), 200.0, 0.8, score=0.499),  # runner-up, within trial 1's CI
+        row(5, "bnb-nf4", 32, 0.0, (0, 0), 0.0, 3.0, state="PRUNED"),
     ]
-    a = answer(rows, NAMES, PRIMARY, baseline_number=0)
+    a = answer(rows, NAMES, baseline_number=0, cost_per_hour=1.0, target_rate=7.0)
     assert a["n_feasible"] == 3 and a["n_pruned"] == 1
     rec = a["recommendation"]
     assert rec["trial"] == 1
     assert rec["gain_over_baseline"] == pytest.approx(4.0)
+    assert rec["gain_ci"] == pytest.approx([2.0 / 0.6, 2.2 / 0.5])
+    assert rec["replicas"] == 4  # ceil(7 / 2.0)
+    assert rec["cost_per_million_tokens"] == pytest.approx(1.0 / (60.0 * 3600) * 1e6)
+    assert rec["indistinguishable_from"] == [4]  # [1.9, 2.1] overlaps [2.0, 2.2]
+    assert "serves 2 req/s [2, 2.2] within the SLO" in rec["statement"] and "4.00x" in rec["statement"]
     assert [r["trial"] for r in a["runners_up"]] == [4, 0]
-    assert "0.75x tok/s" in a["runners_up"][0]["vs_best"] and "-90 ms" in a["runners_up"][0]["vs_best"]
-    # faster configs were stopped once by the latency bound and once by the quality budget: tie -> first
-    assert rec["binding_constraint"].startswith(("ttft:p99<300ms", "quality drop<=1pp"))
-    front = [s["trial"] for s in a["pareto_front"]]
-    assert front == [1, 4, 0]  # none of the three dominates another on (tok/s, latency, quality)
+    # the two configs with more capacity broke the quality budget (2) and the "shown to hold" / latency terms (3)
+    assert rec["binding_constraint"].split(" (")[0] in NAMES
+    # 0 stays: less capacity but the best quality (0.500 > 0.499 > 0.498)
+    assert [s["trial"] for s in a["pareto_front"]] == [1, 4, 0]
 
 
-def test_pareto_front_drops_dominated():
-    rows = [row(0, "a", 1, 10.0, 250.0, 0.0, score=0.5), row(1, "b", 1, 20.0, 200.0, 0.0, score=0.5)]
-    assert [r.number for r in pareto_front(rows, lambda r: r.metrics["ttft_ms"]["p99"])] == [1]
+def test_pareto_front_keeps_the_quality_trade_off():
+    rows = [row(0, "a", 1, 1.0, (1, 1), 250.0, 0.0, score=0.6), row(1, "b", 1, 2.0, (2, 2), 200.0, 0.0, score=0.5),
+            row(2, "c", 1, 1.5, (1.5, 1.5), 200.0, 0.0, score=0.4)]
+    assert [r.number for r in pareto_front(rows)] == [1, 0]
 
 
 def test_nothing_feasible_reports_closest():
-    rows = [row(0, "fp32", 1, 10.0, 900.0, 0.0), row(1, "bf16", 4, 20.0, 350.0, 0.0)]
-    a = answer(rows, NAMES, PRIMARY)
+    rows = [row(0, "fp32", 1, 0.0, (0, 0.2), 900.0, 0.0, verdict="misses"),
+            row(1, "bf16", 4, 0.0, (0, 1.0), 350.0, 0.0, verdict="misses")]
+    a = answer(rows, NAMES)
     assert "recommendation" not in a
     assert a["closest"]["trial"] == 1
-    assert a["closest"]["misses"] == {"ttft:p99<300ms": pytest.approx(50.0)}
+    assert a["closest"]["misses"] == {"ttft:p90<300ms": pytest.approx(50 / 300), "SLO shown to hold": 0.1}
 
 
 def test_trials_csv_has_every_trial():
-    rows = [row(0, "fp32", 1, 10.0, 250.0, 0.0), row(1, "bf16", 32, 0.0, 0.0, 0.0, state="PRUNED")]
-    text = trials_csv(rows)
-    lines = text.strip().splitlines()
-    assert len(lines) == 3 and lines[0].startswith("number,state,feasible")
-    assert "pruned early" in lines[2]
-    assert not math.isnan(float(lines[1].split(",")[9]))
+    rows = [row(0, "fp32", 1, 0.5, (0.5, 0.6), 250.0, 0.0), row(1, "bf16", 32, 0, (0, 0), 0.0, 3.0, state="PRUNED")]
+    lines = trials_csv(rows).strip().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("number,state,feasible,engine")
+    assert "pruned on quality" in lines[2]
+    header = lines[0].split(",")
+    first = dict(zip(header, lines[1].split(",")))
+    assert float(first["capacity_rps"]) == 0.5 and first["capacity_verdict"] == "meets"
 
 
 def test_spaces_dir_exists():

@@ -127,6 +127,9 @@ def check_study(storage: str, name: str, n_trials: int, min_workers: int = 2, al
     baselines = [t.number for t in trials if t.user_attrs.get("baseline")]
     assert baselines == [0], baselines
     assert trials[0].params == BASELINE
+    # kv_fraction is continuous: a configuration comes up twice only when a worker replays another's random draws
+    # (the sampler not re-seeded per trial number). Checked: with tuner.search.reseed_sampler made a no-op, the
+    # 6-worker SQLite stress run below repeats 3 configurations and fails here.
     keys = [tuple(sorted(t.params.items())) for t in trials]
     dups = {k for k in keys if keys.count(k) > 1}
     assert not dups, dups
@@ -137,9 +140,12 @@ def check_study(storage: str, name: str, n_trials: int, min_workers: int = 2, al
 
 
 # --------------------------------------------------------------------------- fast stress of the budget --- #
+# The real `tuner search` worker loop (study, lock, budget, sampling, trial guard) with the measurement replaced
+# by a quick stand-in. TUNER_TEST_BAD_SAMPLE=N injects a failure: trial N samples an invalid configuration.
 STAND_IN = r'''
-import argparse, random, sys, time
+import argparse, os, random, sys, time
 import tuner.search as S
+import tuner.space
 from tuner.cli.search import add_arguments, build_context, make_results_dir
 p = argparse.ArgumentParser(); add_arguments(p)
 args = p.parse_args(sys.argv[1:])
@@ -152,19 +158,33 @@ def stand_in(trial, ctx):
     trial.set_user_attr("config", c.to_dict())
     trial.set_user_attr("metrics", {"output_tokens_per_s": 1.0 + c.kv_fraction})
     trial.set_user_attr("constraints", [-1.0, 0.0])
-    return (1.0 + c.kv_fraction, 100.0, 0.0)
+    return (1.0 + c.kv_fraction, 100.0)
 S.objective = stand_in
+bad = os.environ.get("TUNER_TEST_BAD_SAMPLE")
+if bad:
+    real = tuner.space.suggest_config
+    def sample(trial, space, model, device):
+        c = real(trial, space, model, device)
+        return c.replace(kv_fraction=0.0) if trial.number == int(bad) else c  # TrialConfig raises TunerError
+    tuner.space.suggest_config = sample
 S.run_search(ctx, storage, name, args.trials, args.timeout, args.seed, progress=False)
 '''
 
 
+def stand_in_args(storage: str, n_trials: int, *extra: str) -> list[str]:
+    return ["--model", "smollm2-135m", "--space", SPACE, "--trials", str(n_trials), "--no-quality", "--study",
+            "stress", "--storage", storage, "--seed", "0", "--device", "cpu", *extra]
+
+
+def start_stand_in(args: list[str], results: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", STAND_IN, *args, "--results-dir", str(results)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TUNER_HEARTBEAT_S": "1", **env})
+
+
 def stress(tmp_path: Path, storage: str, workers: int, n_trials: int) -> None:
-    args = ["--model", "smollm2-135m", "--space", SPACE, "--latency-target", "60s", "--trials", str(n_trials),
-            "--no-quality", "--study", "stress", "--storage", storage, "--seed", "0", "--device", "cpu"]
-    procs = [subprocess.Popen([sys.executable, "-c", STAND_IN, *args, "--results-dir", str(tmp_path / f"w{i}")],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "TUNER_HEARTBEAT_S": "1"})
-             for i in range(workers)]
+    args = stand_in_args(storage, n_trials, "--latency-target", "60s")
+    procs = [start_stand_in(args, tmp_path / f"w{i}") for i in range(workers)]
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
@@ -178,6 +198,65 @@ def test_budget_stress_sqlite(tmp_path):
 
 def test_budget_stress_postgres(tmp_path, postgres_url):
     stress(tmp_path, fresh_pg_db(postgres_url, "stress"), workers=6, n_trials=30)
+
+
+def test_invalid_sampled_config_fails_its_trial_and_the_search_goes_on(tmp_path):
+    """Sampling runs inside the trial guard: trial 1's sampled configuration is invalid (injected), so that trial
+    ends FAIL with the one-line reason and the next trials run."""
+    storage = f"sqlite:///{tmp_path / 'one.db'}"
+    proc = start_stand_in(stand_in_args(storage, 4, "--latency-target", "60s"), tmp_path / "w",
+                          TUNER_TEST_BAD_SAMPLE="1")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    trials = check_study(storage, "stress", 4, min_workers=1, all_complete=False)
+    assert [t.state.name for t in trials] == ["COMPLETE", "FAIL", "COMPLETE", "COMPLETE"]
+    why = trials[1].user_attrs.get("reason") or ""
+    assert "KV fraction 0.0 is invalid" in why and "\n" not in why, why
+    assert trials[1].params  # what was sampled before the failure is kept
+    assert all(t.user_attrs.get("config") for t in trials if t.number != 1)
+
+
+SLO_CHANGES = [
+    pytest.param(["--latency-target", "60s"], ["--latency-target", "30s"],
+                 "slo.bounds=['ttft:p99<60000ms'] (this run: ['ttft:p99<30000ms'])", id="target"),
+    pytest.param(["--latency-target", "60s"], ["--latency-target", "60s", "--confidence", "0.9"],
+                 "slo.confidence=0.95 (this run: 0.9)", id="confidence"),
+    pytest.param(["--slo", "ttft<60s"], ["--slo", "ttft<60s", "--attainment", "0.9"],
+                 "slo.attainment=0.95 (this run: 0.9)", id="attainment"),
+]
+
+
+def worker_with_another_slo(tmp_path: Path, storage: str, study_slo: list, worker_slo: list, needle: str) -> None:
+    """A worker whose SLO differs from the study's is refused in one line before it runs or writes anything."""
+    import optuna
+
+    from tests.conftest import assert_one_line_error
+    from tuner.study import open_storage
+
+    first = start_stand_in(stand_in_args(storage, 2, *study_slo), tmp_path / "w0")
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    proc = subprocess.run(tuner_argv("worker", *stand_in_args(storage, 3, *worker_slo), "--results-dir",
+                                     str(tmp_path / "joiner")), cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert_one_line_error(proc, "study 'stress' already exists with ", needle)
+    assert not (tmp_path / "joiner").exists()
+    study = optuna.load_study(study_name="stress", storage=open_storage(storage, create=False))
+    assert len(study.get_trials(deepcopy=False)) == 2
+
+
+@pytest.mark.parametrize("study_slo,worker_slo,needle", SLO_CHANGES)
+def test_worker_with_another_slo_is_refused(tmp_path, postgres_url, study_slo, worker_slo, needle):
+    db = "slo_" + needle.split("=")[0].split(".")[1]
+    worker_with_another_slo(tmp_path, fresh_pg_db(postgres_url, db), study_slo, worker_slo, needle)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known bug, tuner/search.py (owned elsewhere): open_study(join=True) opens a SQLite storage "
+                          "read-only (open_storage(create=False): mode=ro), then optuna.create_study(load_if_exists="
+                          "True) tries an INSERT: every `tuner worker` on SQLite ends in a traceback, exit 1")
+def test_worker_with_another_slo_is_refused_on_sqlite(tmp_path):
+    worker_with_another_slo(tmp_path, f"sqlite:///{tmp_path / 'shared.db'}", *SLO_CHANGES[0].values)
 
 
 # ----------------------------------------------------------------------------------------- real workers --- #

@@ -1,5 +1,7 @@
-"""Measure one serving configuration for real: load the model with its format, start the engine, serve the
-workload, and return `{config, metrics, engine, environment, workload, requests, status, reason}`.
+"""Measure one serving configuration for real: load the model with its format, start the engine, warm it up with
+requests drawn from the workload itself (at the batch cap; errors surfaced, excluded from every statistic), serve
+the workload -- or, with `BenchOptions.capacity`, find the highest rate it sustains within the SLO
+(tuner.capacity) -- and return `{config, metrics, engine, environment, workload, requests, status, reason}`.
 
 A run never raises for what is data: an unsupported format, a load failure, an engine that dies or returns zero
 tokens all come back as status "failed" (or "unsupported") with a one-line reason. Bad user input raises TunerError
@@ -12,7 +14,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tuner.config import TrialConfig, resolve_device
@@ -31,28 +33,38 @@ class BenchOptions:
     measure_bandwidth: bool = True
     progress: bool = True
     keep_requests: bool = True  # per-request results in the output (latency distributions)
+    capacity: Any = None  # tuner.capacity.CapacityOptions: measure capacity instead of one fixed load
 
 
 class PeakMemory:
-    """Samples the process RSS (and CUDA peak) while a block runs."""
+    """Samples the process RSS and, on CUDA, the device memory in use (total - free as the driver reports it, so
+    memory held outside PyTorch's allocator counts too) while a block runs."""
 
     def __init__(self, device: str, interval_s: float = 0.02) -> None:
         self.device, self.interval_s = device, interval_s
         self.peak_rss = 0
+        self.peak_device = 0
         self._stop = threading.Event()
 
     def __enter__(self) -> PeakMemory:
         import psutil
 
         proc = psutil.Process()
+        device_used: Callable[[], int] | None = None
         if self.device == "cuda":
             import torch
 
             torch.cuda.reset_peak_memory_stats()
 
+            def device_used() -> int:
+                free, total = torch.cuda.mem_get_info()
+                return total - free
+
         def sample() -> None:
             while not self._stop.is_set():
                 self.peak_rss = max(self.peak_rss, proc.memory_info().rss)
+                if device_used is not None:
+                    self.peak_device = max(self.peak_device, device_used())
                 self._stop.wait(self.interval_s)
 
         self.peak_rss = proc.memory_info().rss
@@ -65,11 +77,12 @@ class PeakMemory:
         self._thread.join()
 
     def cuda_mb(self) -> float | None:
+        """Peak device memory in use (driver view), at least the allocator's own peak."""
         if self.device != "cuda":
             return None
         import torch
 
-        return torch.cuda.max_memory_allocated() / 2**20
+        return max(self.peak_device, torch.cuda.max_memory_allocated()) / 2**20
 
 
 def versions() -> dict[str, str]:
@@ -164,28 +177,64 @@ def run_bench(
         out.update(status="failed", reason=f"loading {config.quant} failed: {one_line(e)}")
         return out
     out["load_s"] = time.perf_counter() - t
-    requests = build_workload(options.workload, tokenizer)
+    spec = options.workload
+    warm_n = max(2, config.batch_cap)  # warm-up requests, drawn from the workload after the measured ones
+    if options.capacity is not None:  # the capacity search re-times these prompts itself (warm-up at the end)
+        spec = replace(spec, requests=max(spec.requests, options.capacity.probe_requests[1]))
+    if spec.trace:
+        requests = build_workload(spec, tokenizer)
+        warmup = requests[:warm_n]
+    else:
+        pool = build_workload(replace(spec, requests=spec.requests + warm_n), tokenizer)
+        requests, warmup = pool[: spec.requests], pool[spec.requests:]
     engine = make_engine(model, tokenizer, config, options.ignore_eos)
     caps = engine.capabilities()
     out["engine"] = {"name": caps.name, "settings": caps.settings, "notes": list(caps.notes),
                      "versions": out["environment"]["versions"], "device": device}
+
+    def serve(reqs: list[Any], concurrency: int | None, timeout_s: float, should_stop: Any = None) -> Any:
+        return run_load(engine, reqs, concurrency, timeout_s, should_stop, options.progress)
+
     with PeakMemory(device) as mem:
         load_done = False
         try:
             engine.start()
-            load = run_load(engine, requests, options.workload.concurrency, options.timeout_s, should_stop,
-                            options.progress)
+            if options.capacity is not None:
+                from tuner.capacity import CapacitySearch
+
+                capacity = CapacitySearch(serve, requests, config.batch_cap, options.capacity,
+                                          log=progress_log()).search()
+                load = None
+            else:
+                out["warmup"] = warm_up(serve, warmup, config.batch_cap)
+                load = serve(requests, options.workload.concurrency, options.timeout_s, should_stop)
             load_done = True
             out["engine"]["info"] = engine.info()
         except Exception as e:
             out.update(status="failed", reason=f"engine failed: {one_line(e)}")
             return out
         finally:
-            engine.stop(drain=not (load_done and load.stopped_reason))
-    metrics = compute_metrics(load.results, load.duration_s, options.slo_ms)
+            engine.stop(drain=not (load_done and load is not None and load.stopped_reason))
+    if load is None and config.draft != "none":
+        try:
+            capacity["draft_effect"] = draft_effect(model, tokenizer, config, options, requests, capacity)
+        except Exception as e:  # the reference run is extra evidence: its failure is said, not fatal
+            capacity["draft_effect"] = {"error": f"no-draft reference failed: {one_line(e)}"}
+    if load is None:
+        from tuner.capacity import capacity_point
+
+        point = capacity_point(capacity) or capacity["saturation"]
+        metrics = {k: point.get(k) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "dispatch_lag_ms",
+                                             "output_tokens_per_s", "completed", "failed", "errors")}
+        metrics["requests_per_s"] = point.get("achieved_rps", point.get("requests_per_s"))
+        metrics["capacity"] = capacity
+        out["warmup"] = capacity["warmup"]
+    else:
+        metrics = compute_metrics(load.results, load.duration_s, options.slo_ms)
     metrics["peak_rss_mb"] = mem.peak_rss / 2**20
     metrics["peak_cuda_mb"] = mem.cuda_mb()
-    metrics["decode_tokens_per_s_per_seq"] = 1e3 / metrics["tpot_ms"]["mean"] if metrics["tpot_ms"]["mean"] else None
+    tpot_mean = (metrics.get("tpot_ms") or {}).get("mean")
+    metrics["decode_tokens_per_s_per_seq"] = 1e3 / tpot_mean if tpot_mean else None
     bandwidth = None
     if options.measure_bandwidth:
         from tuner.roofline import measure_bandwidth_gbs
@@ -194,9 +243,11 @@ def run_bench(
     from tuner.roofline import roofline
 
     metrics["roofline"] = roofline(model, metrics["decode_tokens_per_s_per_seq"], bandwidth)
-    if config.draft != "none" and options.verify_draft:
+    if load is not None and config.draft != "none" and options.verify_draft:
         metrics.update(check_draft_outputs(engine, model, requests, load.token_ids, options.verify_draft))
     out["metrics"] = metrics
+    if load is None:
+        return out
     if options.keep_requests:
         out["requests"] = [r.to_dict() for r in load.results]
     out["token_ids"] = load.token_ids
@@ -206,6 +257,56 @@ def run_bench(
         first = metrics["errors"][0] if metrics["errors"] else "no request completed"
         out.update(status="failed", reason=f"all {metrics['failed']} requests failed: {first}")
     return out
+
+
+def draft_effect(model: Any, tokenizer: Any, config: TrialConfig, options: BenchOptions, requests: list[Any],
+                 capacity: dict[str, Any]) -> dict[str, Any]:
+    """A draft's effect, measured fairly: the saturation throughput of the same assisted-generation engine (same
+    weights, same number of batch-1 decoders, same prompts) without the draft, next to the draft run's own."""
+    from tuner.capacity import CapacitySearch
+    from tuner.engines.assisted import AssistedEngine
+    from tuner.loadgen import run_load
+
+    ref = AssistedEngine(model, tokenizer, config.replace(draft="none"), ignore_eos=options.ignore_eos)
+    ref.start()
+    try:
+        search = CapacitySearch(lambda reqs, concurrency, timeout_s, should_stop=None:
+                                run_load(ref, reqs, concurrency, timeout_s, should_stop, False),
+                                requests, config.batch_cap, options.capacity)
+        search.warm_up()
+        sat = search.saturate()
+    finally:
+        ref.stop(drain=False)
+    with_draft = capacity["saturation"]["requests_per_s"]
+    return {"engine": "transformers-assisted", "reference": "same engine, draft none",
+            "with_draft_rps": with_draft, "without_draft_rps": sat["requests_per_s"],
+            "with_draft_tokens_per_s": capacity["saturation"]["output_tokens_per_s"],
+            "without_draft_tokens_per_s": sat["output_tokens_per_s"],
+            "speedup": with_draft / sat["requests_per_s"] if sat["requests_per_s"] else None, "n": sat["n"]}
+
+
+def warm_up(serve: Callable[..., Any], requests: list[Any], batch_cap: int) -> dict[str, Any]:
+    """Serve `requests` (drawn from the workload) in a closed loop at the batch cap before anything is timed.
+    Errors are surfaced: when every warm-up request fails the engine is not serving, and the run fails."""
+    from tuner.workload import with_arrivals
+
+    reqs = with_arrivals(list(requests), None, "poisson", 0)
+    load = serve(reqs, batch_cap, 600.0, None)
+    failed = [r for r in load.results if not r.ok]
+    if reqs and len(failed) == len(reqs):
+        raise RuntimeError(f"every warm-up request failed: {failed[0].error}")
+    return {"n": len(reqs), "concurrency": batch_cap, "failed": len(failed),
+            "errors": sorted({r.error or "" for r in failed})[:3], "duration_s": load.duration_s}
+
+
+def progress_log() -> Callable[[str], None]:
+    """One stderr line per capacity probe (a few lines a run; in a search they go to the trial's log)."""
+    import sys
+
+    def log(line: str) -> None:
+        print(f"capacity: {line}", file=sys.stderr, flush=True)
+
+    return log
 
 
 def stop_when_past(bounds: list[Any], min_fraction: float = 0.5) -> Callable[[list[RequestResult], int], str | None]:

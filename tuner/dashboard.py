@@ -7,6 +7,10 @@ them, and returns plain lists and dicts: the trials table, the numeric fields a 
 points, the Pareto line, the target lines, latency distributions, quality per task, the answer (through
 `tuner.study.answer`), parameter importances and the exports of a trial. Only `check_storage_url` and
 `open_storage_readonly` touch anything outside their arguments (a storage URL's driver, a file's existence).
+
+Studies measured by capacity (`capacity` user attr: the highest request rate meeting the SLO, with its CI, verdict
+and probes) get capacity fields, columns and error bars; older studies (output tok/s at one fixed arrival rate)
+still render from `metrics`. The latency-load curves and the capacity-quality view are in tuner/dashboard_curves.py.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tuner.dashboard_curves import LEGACY_NOTE, capacity_attr, capacity_summary, capacity_text, ci_pair
+from tuner.dashboard_curves import percentile_rows as percentile_rows
 from tuner.errors import TunerError
 from tuner.study import DEFAULT_STORAGE, Row, answer, rows_from_study
 
@@ -28,10 +34,14 @@ FINISHED = ("COMPLETE", "PRUNED", "FAIL")
 
 # Fields that are worse when larger (chart directions); everything latency-like ("..._ms...") is too.
 _MINIMIZE = ("failed", "peak_rss_mb", "peak_cuda_mb", "cost_per_million_tokens", "quality.drop_pp",
-             "quality.kld_mean", "quality.kld_p99", "duration_s")
+             "quality.kld_mean", "quality.kld_p99", "duration_s", "capacity.cost.requests", "capacity.cost.wall_s",
+             "capacity.cost.probes")
 _MAXIMIZE = (THROUGHPUT, "requests_per_s", "goodput_requests_per_s", "completed", "acceptance_rate",
-             "quality.score", "quality.top1_agree", "roofline.percent_of_bound")
+             "quality.score", "quality.top1_agree", "roofline.percent_of_bound", "capacity.requests_per_s",
+             "capacity.output_tokens_per_s", "capacity.goodput_requests_per_s", "capacity.saturation.requests_per_s",
+             "capacity.saturation.output_tokens_per_s")
 _SKIP_FIELDS = ("quality.limit", "quality.seed", "quality.baseline_score", "quality.score_stderr")
+CAPACITY = "capacity.requests_per_s"
 _LATENCY = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 
 
@@ -103,15 +113,22 @@ class StudyInfo:
     recommended_trial: int | None = None
     max_quality_drop: float | None = None
     attrs: Mapping[str, Any] = field(default_factory=dict)
+    slo: Mapping[str, Any] = field(default_factory=dict)  # as capacity.slo: bounds, targets_ms, attainment, ...
 
     @property
     def latency_field(self) -> str | None:
-        """The flattened field of the latency metric, e.g. 'ttft_ms.p99'."""
-        return metric_field(self.latency_metric) if self.latency_metric else None
+        """The flattened field of the latency metric, e.g. 'ttft_ms.p99'; for an SLO of per-request targets only,
+        the first target's metric at the attainment's percentile ('ttft_ms.p90' for ttft<2s met by 90%)."""
+        if self.latency_metric:
+            return metric_field(self.latency_metric)
+        share = _num(self.slo.get("attainment"))
+        key = next(iter(self.slo.get("targets_ms") or {}), None)
+        stat = f"p{round(100 * share)}" if share else None
+        return f"{key}.{stat}" if key and stat in ("p50", "p90", "p95", "p99") else None
 
     @property
     def from_search(self) -> bool:
-        return bool(self.primary and self.constraint_names)
+        return bool(self.constraint_names and (self.primary or self.slo))
 
 
 def metric_field(metric: str) -> str | None:
@@ -134,15 +151,19 @@ def study_info(name: str, attrs: Mapping[str, Any]) -> StudyInfo:
         bounds=tuple(str(b) for b in attrs.get("bounds") or ()),
         constraint_names=tuple(str(c) for c in attrs.get("constraint_names") or ()),
         recommended_trial=int(rec) if isinstance(rec, int) else None,
-        max_quality_drop=attrs.get("max_quality_drop"), attrs=dict(attrs))
+        max_quality_drop=attrs.get("max_quality_drop"), attrs=dict(attrs),
+        slo=dict(attrs["slo"]) if isinstance(attrs.get("slo"), Mapping) else {})
 
 
 def bound_lines(info: StudyInfo) -> dict[str, list[tuple[float, str]]]:
-    """Field -> [(limit ms, label)] for the latency target and every latency bound of the study."""
+    """Field -> [(limit ms, label)] for the latency target and every latency bound of the study (its `bounds`, or
+    `slo.bounds`), and, for an attainment SLO (`slo.targets_ms` met by a share `slo.attainment` of requests), the
+    per-request target on every percentile of that metric."""
     from tuner.targets import parse_slo
 
     out: dict[str, list[tuple[float, str]]] = {}
-    texts = list(info.bounds) or ([info.primary] if info.primary else [])
+    texts = list(info.bounds) or [str(b) for b in info.slo.get("bounds") or ()] or (
+        [info.primary] if info.primary else [])
     for text in texts:
         try:
             bounds = parse_slo(text)
@@ -153,6 +174,14 @@ def bound_lines(info: StudyInfo) -> dict[str, list[tuple[float, str]]]:
             label = ("latency target " if b.key == info.latency_metric else "bound ") + str(b)
             if all(v != b.limit_ms for v, _ in out.get(f, [])):
                 out.setdefault(f, []).append((b.limit_ms, label))
+    share = _num(info.slo.get("attainment"))
+    for key, limit in (info.slo.get("targets_ms") or {}).items():
+        if _num(limit) is None or not str(key).endswith("_ms"):
+            continue
+        label = f"per-request target {key[:-3]}<{limit:g}ms" + (f" for {share:.0%} of requests" if share else "")
+        for stat in ("p50", "p90", "p95", "p99", "mean"):
+            if all(v != limit for v, _ in out.get(f"{key}.{stat}", [])):
+                out.setdefault(f"{key}.{stat}", []).append((float(limit), label))
     if info.latency_field and info.latency_target_ms and info.latency_field not in out:
         out[info.latency_field] = [(info.latency_target_ms, f"latency target {info.latency_metric}<"
                                                               f"{info.latency_target_ms:g}ms")]
@@ -178,7 +207,7 @@ def state_name(trial: Any) -> str:
 @dataclass(frozen=True)
 class TrialView:
     """One trial: tuner.study's Row (config, metrics, quality, constraints, reason, cost) plus what only the
-    dashboard shows (per-request latencies, engine, timing, baseline flag)."""
+    dashboard shows (per-request latencies, engine, timing, baseline flag, the capacity measurement)."""
 
     row: Row
     params: Mapping[str, Any]
@@ -186,6 +215,23 @@ class TrialView:
     engine: Mapping[str, Any] | None
     baseline: bool
     duration_s: float | None
+    capacity: Mapping[str, Any] | None = None
+
+    @property
+    def capacity_rps(self) -> float | None:
+        return _num((self.capacity or {}).get("requests_per_s"))
+
+    @property
+    def tok_s(self) -> float:
+        """Output tok/s: at the capacity point, or (an older study) at the one rate the trial was measured at."""
+        v = _num((self.capacity or {}).get(THROUGHPUT)) if self.capacity else _num(self.row.metrics.get(THROUGHPUT))
+        return v or 0.0
+
+    @property
+    def engine_label(self) -> str | None:
+        """Which engine served the trial ('transformers-cb', 'transformers-assisted'), None when not recorded."""
+        name = (self.engine or {}).get("name") or self.row.config.get("engine")
+        return str(name) if name else None
 
     @property
     def number(self) -> int:
@@ -214,8 +260,14 @@ def trial_views(trials: Sequence[Any]) -> list[TrialView]:
         reqs = ua.get("requests")
         eng = ua.get("engine")
         out.append(TrialView(r, dict(getattr(t, "params", {}) or {}), list(reqs) if isinstance(reqs, list) else [],
-                             eng if isinstance(eng, dict) else None, bool(ua.get("baseline")), dur))
+                             eng if isinstance(eng, dict) else None, bool(ua.get("baseline")), dur,
+                             capacity_attr(ua)))
     return sorted(out, key=lambda v: v.number)
+
+
+def has_capacity(views: Sequence[TrialView]) -> bool:
+    """Whether the study was measured by capacity (else: output tok/s at one fixed arrival rate, before capacity)."""
+    return any(v.capacity is not None for v in views)
 
 
 def signature(trials: Iterable[Any]) -> tuple[tuple[int, str], ...]:
@@ -248,11 +300,16 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
 def trial_fields(v: TrialView) -> dict[str, float]:
     """Every numeric value of a trial a chart axis can use: metrics ('ttft_ms.p99', 'output_tokens_per_s',
     'roofline.percent_of_bound'), quality ('quality.score', 'quality.tasks.arc_easy.acc'), the numeric knobs
-    ('config.batch_cap', 'config.kv_fraction'), cost and duration."""
+    ('config.batch_cap', 'config.kv_fraction'), capacity ('capacity.requests_per_s',
+    'capacity.saturation.requests_per_s'), cost and duration. Sample counts ('.n') are left out."""
     r = v.row
-    out = flatten(r.metrics)
+    out = {k: x for k, x in flatten({k: m for k, m in r.metrics.items() if k != "capacity"}).items()
+           if not k.endswith(".n")}
+    if v.capacity:
+        out.update({k: x for k, x in flatten({k: c for k, c in v.capacity.items() if k != "slo"}, "capacity.").items()
+                    if not k.endswith(".n")})
     out.update({k: x for k, x in flatten(r.quality, "quality.").items()
-                if k not in _SKIP_FIELDS and not k.endswith((".n", "_stderr"))})
+                if k not in _SKIP_FIELDS and not k.endswith((".n", "_stderr")) and not k.startswith("quality.gate.")})
     out.update({f"config.{k}": x for k, x in flatten(r.config).items()})
     if isinstance(r.cost, (int, float)) and math.isfinite(r.cost):
         out["cost_per_million_tokens"] = float(r.cost)
@@ -268,13 +325,26 @@ def axis_fields(views: Sequence[TrialView], info: StudyInfo | None = None) -> li
     seen: set[str] = set()
     for v in views:
         seen.update(trial_fields(v))
-    first = [THROUGHPUT]
+    first = [CAPACITY, "quality.score", THROUGHPUT] if has_capacity(views) else [THROUGHPUT]
     if info and info.latency_field:
         first.append(info.latency_field)
     first += [f"{m}_ms.{s}" for m in _LATENCY for s in ("p50", "p90", "p95", "p99", "mean")]
-    first += ["requests_per_s", "quality.score"]
+    first += ["requests_per_s", "quality.score", "capacity.output_tokens_per_s", "capacity.goodput_requests_per_s"]
     ordered = [f for f in dict.fromkeys(first) if f in seen]
     return ordered + sorted(seen - set(ordered))
+
+
+def default_axes(fields: Sequence[str], info: StudyInfo | None, by_capacity: bool) -> tuple[str, str]:
+    """The chart's default (x, y): capacity vs quality score for a study measured by capacity (vs its latency at
+    capacity when quality was not scored); latency vs output tok/s for an older study."""
+    lat = info.latency_field if info else None
+
+    def first(*choices: str | None) -> str:
+        return next((c for c in choices if c and c in fields), fields[0])
+
+    if by_capacity and CAPACITY in fields:
+        return CAPACITY, first("quality.score", lat, THROUGHPUT, "trial")
+    return first(lat), first(THROUGHPUT)
 
 
 def field_label(f: str) -> str:
@@ -285,9 +355,16 @@ def field_label(f: str) -> str:
     special = {THROUGHPUT: "output tok/s", "requests_per_s": "requests/s", "quality.score": "quality score",
                "cost_per_million_tokens": "$ per 1M output tokens", "duration_s": "trial duration (s)",
                "trial": "trial number", "peak_rss_mb": "peak RSS (MB)", "peak_cuda_mb": "peak CUDA memory (MB)",
-               "quality.drop_pp": "quality drop (pp)", "acceptance_rate": "draft acceptance rate"}
+               "quality.drop_pp": "quality drop (pp)", "acceptance_rate": "draft acceptance rate",
+               CAPACITY: "capacity (req/s)", "capacity.output_tokens_per_s": "output tok/s at capacity",
+               "capacity.goodput_requests_per_s": "goodput at capacity (req/s)",
+               "capacity.saturation.requests_per_s": "saturation (req/s, closed loop)",
+               "capacity.saturation.output_tokens_per_s": "saturation output tok/s (closed loop)",
+               "capacity.cost.wall_s": "capacity search wall time (s)"}
     if f in special:
         return special[f]
+    if f.startswith("capacity."):
+        return f[len("capacity."):].replace("_", " ").replace(".", " ") + " (capacity search)"
     if f.startswith("config."):
         return f[len("config."):].replace("_", " ")
     return f.replace("_", " ")
@@ -315,8 +392,11 @@ def _num(x: Any) -> float | None:
 def table_rows(views: Sequence[TrialView], info: StudyInfo | None = None,
                recommended: int | None = None) -> list[dict[str, Any]]:
     """One dict per trial, every trial (failed and pruned ones with their reason, next to their state), column
-    names as in results/<study>/trials.csv plus the study's latency metric."""
+    names as in results/<study>/trials.csv plus the study's latency metric and the engine. A study measured by
+    capacity adds its capacity (req/s) with CI and verdict and the quality gate's verdict; output tok/s and the
+    latencies are then those at the capacity point."""
     lat = info.latency_field if info else None
+    by_capacity = has_capacity(views)
     out = []
     for v in views:
         r, m, q, c = v.row, v.row.metrics, v.row.quality, v.row.config
@@ -324,9 +404,17 @@ def table_rows(views: Sequence[TrialView], info: StudyInfo | None = None,
             "number": v.number, "state": v.state, "reason": first_line(r.reason),
             "feasible": v.feasible if v.state == "COMPLETE" else None,
             "recommended": v.number == recommended, "baseline": v.baseline,
-            "quant": c.get("quant"), "batch_cap": c.get("batch_cap"), "kv_fraction": c.get("kv_fraction"),
-            "draft": c.get("draft"), "output_tokens_per_s": _num(m.get(THROUGHPUT)),
         }
+        if by_capacity:  # the figures that decide, first
+            cap = v.capacity or {}
+            lo, hi = ci_pair(cap.get("requests_per_s_ci"))
+            gate = q.get("gate") if isinstance(q.get("gate"), Mapping) else {}
+            row.update({"capacity_rps": v.capacity_rps, "capacity_ci_low_rps": lo, "capacity_ci_high_rps": hi,
+                        "verdict": cap.get("verdict"), "quality_gate": gate.get("verdict"),
+                        "goodput_rps": _num(cap.get("goodput_requests_per_s"))})
+        row.update({"engine": v.engine_label, "quant": c.get("quant"), "batch_cap": c.get("batch_cap"),
+                    "kv_fraction": c.get("kv_fraction"), "draft": c.get("draft")})
+        row["output_tokens_per_s"] = _num((v.capacity or {}).get(THROUGHPUT)) if v.capacity else _num(m.get(THROUGHPUT))
         if lat and lat not in ("ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50", "tpot_ms.p99", "e2e_ms.p99"):
             key, stat = lat.split(".")
             row[f"{key[:-3]}_{stat}_ms"] = _pct(m, key, stat)
@@ -386,8 +474,11 @@ def hover_text(v: TrialView, info: StudyInfo | None = None) -> str:
     r = v.row
     status = v.state + (", feasible" if v.feasible else (", infeasible" if v.state == "COMPLETE" else ""))
     lines = [f"<b>trial {v.number}</b> ({status})" + (" · baseline" if v.baseline else ""),
-             f"model {r.config.get('model')} on {r.config.get('device')}", config_text(r.config)]
-    parts = [f"{r.tok_s:.2f} output tok/s"]
+             f"model {r.config.get('model')} on {r.config.get('device')}"
+             + (f" · engine {v.engine_label}" if v.engine_label else ""), config_text(r.config)]
+    if v.capacity:
+        lines.append(f"capacity {capacity_text(v.capacity)}")
+    parts = [f"{v.tok_s:.2f} output tok/s" + (" at capacity" if v.capacity else "")]
     lat = info.latency_field if info else None
     if lat:
         key, stat = lat.split(".")
@@ -398,6 +489,9 @@ def hover_text(v: TrialView, info: StudyInfo | None = None) -> str:
     if q is not None:
         se = _num(r.quality.get("score_stderr"))
         parts.append(f"quality {q:.3f}" + (f" ± {se:.3f}" if se is not None else ""))
+    gate = r.quality.get("gate")
+    if isinstance(gate, Mapping) and gate.get("verdict"):
+        parts.append(f"quality gate {gate['verdict']}")
     lines.append(" · ".join(parts))
     if r.reason:
         lines.append(f"reason: {first_line(r.reason, 120)}")
@@ -406,17 +500,41 @@ def hover_text(v: TrialView, info: StudyInfo | None = None) -> str:
 
 def chart_points(views: Sequence[TrialView], x: str, y: str, info: StudyInfo | None = None,
                  recommended: int | None = None) -> list[dict[str, Any]]:
-    """One point per trial that has both values: x, y, quality (None when not scored), feasible, state, whether
-    it is the recommendation, and the hover text (its config and key figures)."""
+    """One point per trial that has both values: x, y, their error bars (`x_err`, `y_err`: see `field_error`),
+    quality (None when not scored), feasible, state, whether it is the recommendation, the engine, and the hover
+    text (its config and key figures)."""
     out = []
     for v in views:
         f = trial_fields(v)
         if x not in f or y not in f:
             continue
-        out.append({"number": v.number, "x": f[x], "y": f[y], "quality": _num(v.row.quality.get("score")),
+        out.append({"number": v.number, "x": f[x], "y": f[y], "x_err": field_error(v, x, f[x]),
+                    "y_err": field_error(v, y, f[y]), "quality": _num(v.row.quality.get("score")),
                     "feasible": v.feasible, "state": v.state, "recommended": v.number == recommended,
-                    "baseline": v.baseline, "hover": hover_text(v, info)})
+                    "baseline": v.baseline, "engine": v.engine_label, "hover": hover_text(v, info)})
     return out
+
+
+def field_error(v: TrialView, f: str, value: float) -> dict[str, Any] | None:
+    """The uncertainty of a trial's value on a field, as error-bar lengths {'minus', 'plus', 'open_minus',
+    'open_plus'} (an open side has no bound: too few samples; its length is 0): the capacity's CI, the quality
+    score's standard error (±), a latency percentile's CI (`metrics[...].ci`, `capacity.saturation` has none).
+    None when the field carries no uncertainty."""
+    lo: float | None
+    hi: float | None
+    if f == CAPACITY and v.capacity and "requests_per_s_ci" in v.capacity:
+        lo, hi = ci_pair(v.capacity.get("requests_per_s_ci"))
+    elif f == "quality.score" and _num(v.row.quality.get("score_stderr")) is not None:
+        se = float(v.row.quality["score_stderr"])
+        lo, hi = value - se, value + se
+    else:
+        m = re.fullmatch(r"([a-z0-9]+_ms)\.(p50|p90|p95|p99)", f)
+        ci = (v.row.metrics.get(m.group(1)) or {}).get("ci") if m else None
+        if m is None or not isinstance(ci, Mapping) or not isinstance(ci.get(m.group(2)), (list, tuple)):
+            return None
+        lo, hi = ci_pair(ci.get(m.group(2)))
+    return {"minus": max(0.0, value - lo) if lo is not None else 0.0, "open_minus": lo is None,
+            "plus": max(0.0, hi - value) if hi is not None else 0.0, "open_plus": hi is None}
 
 
 def pareto_line(points: Sequence[Mapping[str, Any]], x_dir: str | None, y_dir: str | None) -> list[dict[str, Any]]:
@@ -507,23 +625,29 @@ def detail(v: TrialView) -> dict[str, Any]:
                                                   "within_noise", "kld_mean", "top1_agree", "limit")
                     if r.quality.get(k) is not None},
         "tasks": quality_tasks(r.quality), "constraints": r.constraints, "failed_requests": failed_requests,
-        "engine": v.engine, "duration_s": v.duration_s,
+        "engine": v.engine, "engine_label": v.engine_label, "duration_s": v.duration_s,
+        "gate": dict(r.quality["gate"]) if isinstance(r.quality.get("gate"), Mapping) else None,
+        "capacity": capacity_summary(v.capacity),
     }
 
 
 # ------------------------------------------------------------------------------------------ why this one --- #
 def study_answer(views: Sequence[TrialView], info: StudyInfo) -> dict[str, Any] | None:
-    """`tuner.study.answer` over the trials so far (None when the study was not written by `tuner search`)."""
-    from tuner.targets import parse_slo
-
-    if not info.from_search:
-        return None
-    try:
-        primary = parse_slo(info.primary or "")[0]
-    except TunerError:
+    """`tuner.study.answer` over the trials so far. None when the study was not written by `tuner search`, or
+    predates the capacity measure (the answer is now computed from capacities: an older study keeps the
+    recommendation its search stored)."""
+    if not info.from_search or not has_capacity(views):
         return None
     baseline = next((v.number for v in views if v.baseline), 0)
-    return answer([v.row for v in views], list(info.constraint_names), primary, baseline)
+    return answer([v.row for v in views], list(info.constraint_names), baseline_number=baseline)
+
+
+def latency_at(v: TrialView, info: StudyInfo) -> float | None:
+    """The study's latency metric in the trial's metrics (at its capacity point), ms."""
+    if not info.latency_field:
+        return None
+    key, stat = info.latency_field.split(".")
+    return _pct(v.row.metrics, key, stat)
 
 
 def recommended_number(ans: Mapping[str, Any] | None, info: StudyInfo) -> int | None:
@@ -545,13 +669,16 @@ def constraint_table(names: Sequence[str], values: Sequence[float] | None) -> li
 
 def param_importances(trials: Sequence[Any], directions: Sequence[Any] | None = None, min_trials: int = 3,
                       seed: int = 0) -> dict[str, dict[str, Any]]:
-    """Optuna's fANOVA parameter importances for throughput (objective 0) and latency (objective 1), over the
-    COMPLETE trials with finite values. Returns {target: {"importances": {param: share}} or {"message": why
-    not}}; never raises (too few trials, a constant search space... are messages)."""
+    """Optuna's fANOVA parameter importances for each objective over the COMPLETE trials with finite values:
+    capacity and quality in a study measured by capacity (2 objectives), throughput and latency in an older
+    study (3 objectives: tok/s, latency, quality). Returns {target: {"importances": {param: share}} or
+    {"message": why not}}; never raises (too few trials, a constant search space... are messages)."""
 
     import optuna
 
-    targets = {"throughput": 0, "latency": 1}
+    n_obj = len(directions) if directions else max((len(t.values) for t in trials
+                                                    if getattr(t, "values", None)), default=3)
+    targets = importance_targets(n_obj)
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created in memory" lines
     try:
@@ -560,13 +687,19 @@ def param_importances(trials: Sequence[Any], directions: Sequence[Any] | None = 
         optuna.logging.set_verbosity(verbosity)
 
 
+def importance_targets(n_objectives: int) -> dict[str, int]:
+    """Label -> objective index of the importances shown for a study with that many objectives."""
+    return {"capacity": 0, "quality": 1} if n_objectives == 2 else {"throughput": 0, "latency": 1}
+
+
 def _importances(trials: Sequence[Any], targets: Mapping[str, int], directions: Sequence[Any] | None,
                  min_trials: int, seed: int) -> dict[str, dict[str, Any]]:
     import warnings
 
     import optuna
 
-    done = [t for t in trials if state_name(t) == "COMPLETE" and t.values is not None and len(t.values) >= 2]
+    done = [t for t in trials if state_name(t) == "COMPLETE" and t.values is not None
+            and len(t.values) > max(targets.values())]
     out: dict[str, dict[str, Any]] = {}
     for label, i in targets.items():
         usable = [t for t in done if math.isfinite(t.values[i])]
@@ -575,8 +708,9 @@ def _importances(trials: Sequence[Any], targets: Mapping[str, int], directions: 
                                      f"(has {len(usable)})"}
             continue
         try:
+            n = len(usable[0].values)
             study = optuna.create_study(directions=list(directions) if directions else
-                                        ["maximize", "minimize", "maximize"][:len(usable[0].values)])
+                                        ["maximize"] * 2 if n == 2 else ["maximize", "minimize", "maximize"][:n])
             study.add_trials(usable)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -596,21 +730,31 @@ def _importances(trials: Sequence[Any], targets: Mapping[str, int], directions: 
 
 
 def why(views: Sequence[TrialView], info: StudyInfo) -> dict[str, Any]:
-    """The recommendation, its gain over the baseline, the binding constraint and slack (or the closest miss)."""
-    ans = study_answer(views, info)
-    if ans is None:
-        return {"message": "this study was not written by `tuner search` (no primary latency target or "
-                           "constraint names in its attributes): no recommendation"}
+    """The answer of `tuner.study.answer` (the recommendation, its gain over the baseline, the binding constraint,
+    runners-up; or the closest miss), the constraint table of the recommended (or closest) trial, and the
+    recommendation's and the baseline's capacity summaries (`capacity`). A study from before the capacity measure
+    gets `legacy` (a note), its stored recommendation and that trial's constraints: its answer is not recomputed."""
+    if not info.from_search:
+        return {"message": "this study was not written by `tuner search` (no SLO or constraint names in its "
+                           "attributes): no recommendation"}
+    by_number = {v.number: v for v in views}
+    if not has_capacity(views):
+        best = by_number.get(info.recommended_trial) if info.recommended_trial is not None else None
+        return {"legacy": LEGACY_NOTE + " Its recommendation is the one its search stored (the feasible trial with "
+                                        "the highest output tok/s); it is not recomputed.",
+                "recommended": best.number if best else None,
+                "constraints": constraint_table(info.constraint_names, best.row.constraints) if best else []}
+    ans = study_answer(views, info) or {}
     out: dict[str, Any] = {"answer": ans}
     rec = ans.get("recommendation")
-    if rec:
-        best = next(v for v in views if v.number == rec["trial"])
+    if rec and rec.get("trial") in by_number:
+        best = by_number[rec["trial"]]
         out["constraints"] = constraint_table(info.constraint_names, best.row.constraints)
-        base = ans.get("baseline")
-        if base:
-            out["baseline_tok_s"] = base["output_tokens_per_s"]
-    elif ans.get("closest"):
-        c = next(v for v in views if v.number == ans["closest"]["trial"])
+        base = by_number.get((ans.get("baseline") or {}).get("trial"))
+        out["capacity"] = {"recommended": capacity_summary(best.capacity),
+                           "baseline": capacity_summary(base.capacity) if base else None}
+    elif (ans.get("closest") or {}).get("trial") in by_number:
+        c = by_number[ans["closest"]["trial"]]
         out["constraints"] = constraint_table(info.constraint_names, c.row.constraints)
     return out
 

@@ -11,10 +11,15 @@ tool measures it (`--kl-divergence-base` / `--kl-divergence`):
 
 The candidate's log-probs are put on the same 16-bit grid before the difference is taken, so a model compared
 with itself gives exactly 0 (not the quantization noise of the stored reference).
+
+Caching (under tuner.quality's results folder): the fp32 reference of a model (`reference-*.npz`, shared by every
+format) and each format's KLD result (`kld-<format>-*.json`), so `tuner eval --max-kld` can screen a format in
+seconds before any lm-eval task runs, and a later full score reuses the number.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import zipfile
@@ -182,3 +187,89 @@ def load_reference(path: Path, chunks: np.ndarray, n_tokens: int) -> Reference |
     if ref.ids.shape != chunks.shape or not np.array_equal(ref.ids, chunks) or len(ref.top1) != n_tokens:
         return None
     return ref
+
+
+# ------------------------------------------------------------------------------------------------ cache ---- #
+def reference_path(model_hash: str, kld_tokens: int, versions: dict[str, str]) -> Path:
+    """Where the fp32 reference distributions for KLD live (shared by every format of these weights)."""
+    from tuner.quality import SCHEMA, digest, results_dir
+
+    base = {k: versions[k] for k in ("torch", "transformers")}
+    key = {"schema": SCHEMA, "model_hash": model_hash, "kld_tokens": kld_tokens, "versions": base}
+    return results_dir() / model_hash / f"reference-{digest(key)}.npz"
+
+
+def kld_key(model_hash: str, quant: str, kld_tokens: int, versions: dict[str, str]) -> dict[str, Any]:
+    from tuner.quality import SCHEMA
+
+    return {"schema": SCHEMA, "kind": "kld", "model_hash": model_hash, "quant": quant, "kld_tokens": kld_tokens,
+            "ctx": KLD_CTX, "versions": versions}
+
+
+def kld_path(key: dict[str, Any]) -> Path:
+    from tuner.quality import digest, results_dir
+
+    return results_dir() / key["model_hash"] / f"kld-{key['quant']}-{digest(key)}.json"
+
+
+def ensure_reference(config: Any, model_hash: str, kld_tokens: int, versions: dict[str, str], progress: bool,
+                     model: Any = None, tokenizer: Any = None) -> tuple[Reference, bool]:
+    """The fp32 reference distributions on the held text, from the cache or computed (with `model` when given,
+    else by loading the fp32 model). Returns (reference, computed_now)."""
+    from tuner.models import checkpoint_dir
+    from tuner.quality import BASELINE
+    from tuner.quantize import load_model, load_tokenizer
+
+    path = reference_path(model_hash, kld_tokens, versions)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(checkpoint_dir(config.model))
+    chunks = held_chunks(tok, kld_tokens)
+    ref = load_reference(path, chunks, kld_tokens)
+    if ref is not None:
+        return ref, False
+    own = model is None
+    if own:
+        model, _ = load_model(config.replace(quant=BASELINE))
+    try:
+        ref = reference_logprobs(model, chunks, kld_tokens, progress=progress)
+    finally:
+        if own:
+            del model
+            gc.collect()
+    save_reference(ref, path)
+    return ref, True
+
+
+def score_kld(config: Any, model_hash: str, kld_tokens: int, versions: dict[str, str], progress: bool = True,
+              model: Any = None, tokenizer: Any = None) -> tuple[KLDResult, bool]:
+    """KLD of `config`'s model (loaded here unless given) from the fp32 reference, through the cache.
+    Returns (result, cached). For the fp32 model itself, a freshly computed reference gives exactly 0."""
+    from tuner.quality import BASELINE, read_cache, write_json_atomic
+    from tuner.quantize import load_model
+
+    key = kld_key(model_hash, config.quant, kld_tokens, versions)
+    path = kld_path(key)
+    hit = read_cache(path, key)
+    if hit is not None:
+        return KLDResult(**hit), True
+    baseline = config.quant == BASELINE
+    ref = None
+    if not baseline:  # before the candidate is loaded: at most one model in memory
+        ref, _ = ensure_reference(config, model_hash, kld_tokens, versions, progress)
+    own = model is None
+    if own:
+        model, tokenizer = load_model(config)
+    try:
+        if baseline:
+            ref, fresh = ensure_reference(config, model_hash, kld_tokens, versions, progress, model, tokenizer)
+            if fresh:  # the reference was just computed from this very model: compared with itself, exactly 0
+                result = KLDResult(0.0, 0.0, 0.0, 1.0, kld_tokens)
+            else:
+                result = kl_divergence(ref, model, progress)
+        else:
+            result = kl_divergence(ref, model, progress)
+    finally:
+        if own:
+            del model, tokenizer
+            gc.collect()
+    write_json_atomic(path, {"key": key, "result": result.to_dict()})
+    return result, False

@@ -1,70 +1,104 @@
 """Load generator: send a workload to an engine as it arrives, stamp every token, never raise per request.
 
-Open loop: each request is sent at its arrival time (Poisson / constant / trace). Closed loop: `concurrency`
-requests are kept in flight; the next one is sent when one finishes. TTFT counts from the moment the request is
-handed to the engine, so time spent queued inside the engine (waiting for a batch slot) is included.
+Open loop: each request is *scheduled* at its arrival time (Poisson / constant / trace) and handed to the engine
+as close to it as the harness can; closed loop: `concurrency` requests are kept in flight, a request being
+scheduled the moment a slot frees. Latencies count from the scheduled time (see tuner.metrics), and the gap
+between scheduled and actual hand-over is recorded as `dispatch_lag_ms`, so a harness that falls behind shows up
+in the figures instead of hiding queueing (coordinated omission).
+
+Threads: the engine calls each request's sink from its own thread(s); a sink only stamps and appends under a
+per-request lock. Every decision (sending, early stop, time-out) is taken on the calling thread, never on the
+engine's token-delivery thread. When `run_load` returns, every result is frozen: a request still running then
+is recorded as failed (timed out / not finished), and whatever the engine delivers afterwards (while it is
+stopped) is ignored.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tuner.engines.base import Engine
 from tuner.metrics import RequestResult
 from tuner.workload import Request
 
+POLL_S = 0.05  # how often the run loop wakes without an event (time-out checks)
+
 
 class _Recorder:
-    """TokenSink for one request: stamps tokens with the harness clock (time.perf_counter)."""
+    """TokenSink for one request: stamps chunks with the harness clock (time.perf_counter)."""
 
-    def __init__(self, request: Request, t0: float, done: Callable[[_Recorder], None]) -> None:
-        self.request, self.t0, self._done = request, t0, done
+    def __init__(self, request: Request, t0: float, finished: Callable[[_Recorder], None]) -> None:
+        self.request, self.t0, self._finished_cb = request, t0, finished
         self.result = RequestResult(index=request.index, prompt_tokens=len(request.prompt_ids))
+        self.scheduled = 0.0
         self.sent = 0.0
         self.last = 0.0
         self.tokens: list[int] = []
         self.finished = threading.Event()
+        self.frozen = False
+        self._lock = threading.Lock()
 
-    def mark_sent(self) -> None:
+    def mark_sent(self, scheduled: float) -> None:
         self.sent = time.perf_counter()
-        self.result.send_s = self.sent - self.t0
+        self.scheduled = min(scheduled, self.sent)
+        self.result.send_s = self.scheduled - self.t0
+        self.result.dispatch_lag_ms = (self.sent - self.scheduled) * 1e3
 
     def on_tokens(self, token_ids: list[int], engine_time_s: float | None) -> None:
         now = time.perf_counter()
         if not token_ids:
             return
-        if not self.tokens:
-            self.result.ttft_ms = (now - self.sent) * 1e3
-            if engine_time_s is not None:
-                self.result.harness_overhead_ms = (now - engine_time_s) * 1e3
-        else:
-            self.result.itl_ms.append((now - self.last) * 1e3)
-        self.result.itl_ms.extend([0.0] * (len(token_ids) - 1))  # tokens delivered together (accepted drafts)
-        self.tokens.extend(token_ids)
-        self.last = now
+        with self._lock:
+            if self.frozen or self.finished.is_set():
+                return
+            r = self.result
+            if not self.tokens:
+                r.ttft_ms = (now - self.scheduled) * 1e3
+                if engine_time_s is not None:
+                    r.harness_overhead_ms = (now - engine_time_s) * 1e3
+            else:
+                r.itl_ms.append((now - self.last) * 1e3)  # one gap per chunk (vLLM's convention)
+            r.chunks += 1
+            self.tokens.extend(token_ids)
+            r.output_tokens = len(self.tokens)
+            self.last = now
 
     def on_finish(self, error: str | None, draft_proposed: int = 0, draft_accepted: int = 0) -> None:
-        if self.finished.is_set():
-            return
         now = time.perf_counter()
-        r = self.result
-        r.output_tokens = len(self.tokens)
-        r.e2e_ms = (now - self.sent) * 1e3
-        r.error = error
-        if error is None and not self.tokens:
-            r.error = "engine returned zero tokens without an error"
-        r.draft_proposed, r.draft_accepted = draft_proposed, draft_accepted
-        self.finished.set()
-        self._done(self)
+        with self._lock:
+            if self.frozen or self.finished.is_set():
+                return
+            r = self.result
+            r.output_tokens = len(self.tokens)
+            r.e2e_ms = ((self.last if self.tokens else now) - self.scheduled) * 1e3  # E2E at the last token
+            r.error = error
+            if error is None and not self.tokens:
+                r.error = "engine returned zero tokens without an error"
+            r.draft_proposed, r.draft_accepted = draft_proposed, draft_accepted
+            self.finish_time = now
+            self.finished.set()
+        self._finished_cb(self)
+
+    def freeze(self, error: str | None) -> RequestResult:
+        """Stop accepting callbacks and return a copy of the result (`error` for a request not finished)."""
+        with self._lock:
+            self.frozen = True
+            r = replace(self.result, itl_ms=list(self.result.itl_ms))
+            if not self.finished.is_set():
+                r.error = error
+                r.output_tokens = len(self.tokens)
+                r.e2e_ms = None
+            return r
 
 
 @dataclass
 class LoadResult:
     results: list[RequestResult]
-    duration_s: float  # first send to last completion
+    duration_s: float  # first scheduled send to last completion
     token_ids: list[list[int]]  # generated ids per request (in request order), for output checks
     stopped_reason: str | None = None  # early stop (pruned) reason
 
@@ -77,66 +111,76 @@ def run_load(
     should_stop: Callable[[list[RequestResult], int], str | None] | None = None,
     progress: bool = True,
 ) -> LoadResult:
-    """Drive `requests` through a started engine. `should_stop(finished_results, total)` may end the run early."""
+    """Drive `requests` through a started engine. `should_stop(finished_results, total)` may end the run early; it
+    is called on this thread after new requests finish. A pruned run returns only the requests that finished."""
     from tqdm import tqdm
 
+    wake = threading.Event()
     lock = threading.Lock()
-    finished: list[RequestResult] = []
-    all_done = threading.Event()
-    stop_reason: list[str] = []
-    slots = threading.Semaphore(concurrency) if concurrency else None
+    newly_done: list[_Recorder] = []
+
+    def finished(rec: _Recorder) -> None:  # engine thread: record and wake the run loop, nothing else
+        with lock:
+            newly_done.append(rec)
+        wake.set()
+
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress, leave=False)
     t0 = time.perf_counter()
-
-    def done(rec: _Recorder) -> None:
-        with lock:
-            finished.append(rec.result)
-            n = len(finished)
-            if should_stop is not None and not stop_reason:
-                reason = should_stop(list(finished), len(requests))
-                if reason:
-                    stop_reason.append(reason)
-        bar.update(1)
-        if slots is not None:
-            slots.release()
-        if n == len(requests) or stop_reason:
-            all_done.set()
-
-    recorders = [_Recorder(r, t0, done) for r in requests]
+    recorders = [_Recorder(r, t0, finished) for r in requests]
+    pending = deque(recorders)
     sent: list[_Recorder] = []
+    done: list[_Recorder] = []
+    free_at: deque[float] = deque([t0] * concurrency) if concurrency else deque()  # closed loop: slot free times
     deadline = t0 + timeout_s
-    for rec in recorders:
-        if stop_reason or time.perf_counter() > deadline:
-            break
-        if slots is not None:
-            while not slots.acquire(timeout=0.1):
-                if stop_reason or time.perf_counter() > deadline:
+    reason: str | None = None
+    while True:
+        with lock:
+            new, newly_done[:] = list(newly_done), []
+        if new:
+            done.extend(new)
+            bar.update(len(new))
+            if concurrency:
+                free_at.extend(rec.finish_time for rec in new)
+            if should_stop is not None:
+                reason = should_stop([rec.result for rec in done], len(requests))
+                if reason:
                     break
+        if len(done) == len(requests):
+            break
+        now = time.perf_counter()
+        if now > deadline:
+            break
+        while pending:
+            if concurrency:
+                if not free_at:
+                    break
+                scheduled = free_at.popleft()
             else:
-                pass
-            if stop_reason or time.perf_counter() > deadline:
-                break
-        elif rec.request.arrival_s is not None:
-            delay = t0 + rec.request.arrival_s - time.perf_counter()
-            if delay > 0 and all_done.wait(timeout=delay):
-                break
-        rec.mark_sent()
-        sent.append(rec)
-        engine.submit(f"r{rec.request.index}", list(rec.request.prompt_ids), rec.request.max_tokens, rec)
-    all_done.wait(timeout=max(0.0, deadline - time.perf_counter()))
+                arrival = pending[0].request.arrival_s or 0.0
+                scheduled = t0 + arrival
+                if scheduled > now:
+                    break
+            rec = pending.popleft()
+            rec.mark_sent(scheduled)
+            sent.append(rec)
+            engine.submit(f"r{rec.request.index}", list(rec.request.prompt_ids), rec.request.max_tokens, rec)
+            now = time.perf_counter()
+        next_send = (t0 + (pending[0].request.arrival_s or 0.0)) if pending and not concurrency else deadline
+        wake.wait(timeout=max(0.0, min(next_send, deadline, now + POLL_S) - now))
+        wake.clear()
     bar.close()
-    end = max((rec.sent + (rec.result.e2e_ms or 0) / 1e3 for rec in sent if rec.finished.is_set()), default=t0)
-    first = min((rec.sent for rec in sent), default=t0)
-    reason = stop_reason[0] if stop_reason else None
+    sent_set = set(map(id, sent))
     results = []
     for rec in recorders:
-        if not rec.finished.is_set():
-            rec.result.error = (
-                "not sent: run stopped early" if rec not in sent and reason
-                else f"timed out after {timeout_s:.0f}s" if rec in sent else "not sent: run timed out"
-            )
-            rec.result.output_tokens = len(rec.tokens)
-        results.append(rec.result)
+        if id(rec) in sent_set:
+            err = f"timed out after {timeout_s:g}s" if reason is None else "not finished: run stopped early"
+        else:
+            err = "not sent: run stopped early" if reason else "not sent: run timed out"
+        results.append(rec.freeze(err))
+    finished_ids = {r.index for r in (rec.result for rec in done)}
+    end = max((rec.finish_time for rec in done), default=t0)
+    first = min((rec.scheduled for rec in sent), default=t0)
+    token_ids = [list(rec.tokens) for rec in recorders]
     if reason:  # pruned runs only count what finished
-        results = [rec.result for rec in recorders if rec.finished.is_set()]
-    return LoadResult(results, end - first, [list(rec.tokens) for rec in recorders], reason)
+        results = [r for r in results if r.index in finished_ids]
+    return LoadResult(results, end - first, token_ids, reason)

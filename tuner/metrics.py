@@ -1,8 +1,14 @@
 """Per-request results and the pure `compute_metrics` over them (vLLM benchmark conventions, units in names).
 
-TTFT includes queueing (from the request's scheduled send time to its first token). TPOT of a request is
-(E2E - TTFT) / (output_tokens - 1), so it excludes the first token. ITL pools every gap between consecutive
-tokens of every request; tokens that arrive together (several draft tokens accepted in one step) have a gap of 0.
+TTFT counts from the request's *scheduled* arrival (open loop: its place in the arrival process; closed loop: the
+moment a slot freed), so time queued in the engine and the harness's own dispatch lag are both included
+(coordinated omission counted); `dispatch_lag_ms` records scheduled -> actually handed to the engine. E2E runs
+from the same scheduled arrival to the last token. TPOT of a request is (E2E - TTFT) / (output_tokens - 1), so it
+excludes the first token. ITL follows vLLM's `benchmark_serving` convention: one gap per streamed chunk after the
+first (a chunk carrying several tokens, e.g. accepted draft tokens, is one gap, not padded with zeros).
+
+Every percentile object carries its sample count `n` and a distribution-free 95% confidence interval per
+percentile (`ci`, order statistics, see tuner.stats; a side is None when n is too small for it).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PERCENTILES = (50, 90, 95, 99)
+CI_LEVEL = 0.95
 
 
 @dataclass
@@ -26,7 +33,9 @@ class RequestResult:
     e2e_ms: float | None = None
     itl_ms: list[float] = field(default_factory=list)
     error: str | None = None
-    send_s: float = 0.0  # when the request was sent, seconds from the run start
+    send_s: float = 0.0  # scheduled arrival, seconds from the run start
+    dispatch_lag_ms: float | None = None  # scheduled arrival -> handed to the engine
+    chunks: int = 0  # streamed chunks received
     harness_overhead_ms: float | None = None  # harness-seen first token minus the engine's own first-token stamp
     draft_proposed: int = 0
     draft_accepted: int = 0
@@ -48,13 +57,19 @@ class RequestResult:
         return d
 
 
-def summarize(values: Sequence[float]) -> dict[str, float | None]:
-    """p50/p90/p95/p99 (linear interpolation, as numpy.percentile) and mean; None for an empty input."""
+def summarize(values: Sequence[float], confidence: float = CI_LEVEL) -> dict[str, Any]:
+    """p50/p90/p95/p99 (linear interpolation, as numpy.percentile) and mean, the count `n`, and `ci`: a two-sided
+    distribution-free interval per percentile at `confidence` ([lower, upper], a side None when n is too small).
+    Percentiles and mean are None for an empty input."""
+    from tuner.stats import quantile_ci
+
     xs = sorted(float(v) for v in values)
-    out: dict[str, float | None] = {}
+    out: dict[str, Any] = {}
     for p in PERCENTILES:
         out[f"p{p}"] = percentile(xs, p) if xs else None
     out["mean"] = sum(xs) / len(xs) if xs else None
+    out["n"] = len(xs)
+    out["ci"] = {f"p{p}": list(quantile_ci(xs, p / 100.0, confidence)) if xs else [None, None] for p in PERCENTILES}
     return out
 
 
@@ -90,6 +105,7 @@ def compute_metrics(
     proposed = sum(r.draft_proposed for r in results)
     accepted = sum(r.draft_accepted for r in results)
     overhead = [r.harness_overhead_ms for r in done if r.harness_overhead_ms is not None]
+    lag = [r.dispatch_lag_ms for r in results if r.dispatch_lag_ms is not None]
     metrics: dict[str, Any] = {
         "ttft_ms": summarize([r.ttft_ms for r in done if r.ttft_ms is not None]),
         "tpot_ms": summarize([t for r in done if (t := r.tpot_ms) is not None]),
@@ -106,6 +122,7 @@ def compute_metrics(
         "draft_proposed": proposed,
         "draft_accepted": accepted,
         "harness_overhead_ms": summarize(overhead),
+        "dispatch_lag_ms": summarize(lag),
     }
     if slo_ms:
         good = sum(1 for r in results if meets_slo(r, slo_ms))

@@ -1,15 +1,23 @@
-"""The search objective: one trial = one configuration, measured for real in a child process, plus its quality
-score (once per format, from the quality cache), turned into Optuna objectives and constraints.
+"""The search objective: one trial = one configuration's quality gate (once per format, from the quality cache)
+and its capacity (tuner.capacity: the highest arrival rate served within the SLO), measured for real in child
+processes, turned into Optuna objectives and constraints.
 
-Objectives: (output tok/s -> max, primary latency metric in ms -> min, suite quality score -> max).
-Constraints (Optuna convention, <= 0 is satisfied): every latency bound (value - limit, ms), the quality budget
-(drop_pp - max_drop_pp), and failed requests (count).
+Objectives: (capacity in req/s within the SLO -> max, suite quality score -> max).
+Constraints (Optuna convention, <= 0 is satisfied), each normalised by its limit so they are comparable and TPE's
+sum of violations means something; names are labels only:
+  * per SLO term: (value at the capacity point - limit) / limit (for an attainment term: (target - attained) /
+    target), measured at the lowest rate probed when no rate meets;
+  * "SLO shown to hold": 0 when some rate was shown to meet the SLO with confidence, else +0.1 (an undecided
+    config is not feasible: its point estimates may look fine);
+  * quality: (upper confidence bound of the drop - budget) / max(budget, 0.5 pp): within budget only when the
+    evidence shows it.
+A format whose quality gate is `exceeds` is PRUNED before its capacity is measured, with its constraints set (the
+SLO terms as unknown = 0), so TPE ranks it by its quality violation.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +26,10 @@ from typing import Any
 from tuner.child import run_child
 from tuner.config import TrialConfig
 from tuner.space import Space, suggest_config
-from tuner.targets import Bound
+from tuner.targets import SLO, Bound
 from tuner.workload import WorkloadSpec
+
+UNDECIDED = 0.1  # the "SLO shown to hold" constraint when no rate was shown to meet it
 
 
 class TrialFailed(Exception):
@@ -31,8 +41,8 @@ class SearchContext:
     model: str
     device: str
     space: Space
-    primary: Bound
-    bounds: list[Bound]
+    primary: Bound | None
+    slo: SLO
     max_quality_drop: float
     workload: WorkloadSpec
     quality_tasks: tuple[str, ...]
@@ -43,31 +53,60 @@ class SearchContext:
     results_dir: Path = Path("results")
     study_dir: Path = Path("results")
     cost_per_hour: float | None = None
+    target_rate: float | None = None  # req/s the user must serve: replicas = ceil(target / capacity)
+    probe_requests: tuple[int, int] = (30, 120)
+    max_probes: int = 5
+    capacity_timeout_s: float = 600.0
+    saturation_requests: int | None = None
+    quality_max_limit: int | None = None  # escalation cap for an undecided quality gate
+    max_kld: float | None = None  # KLD screen before lm-eval
     quality_memo: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    def settings(self) -> dict[str, Any]:
+        """Every setting that defines the study: resuming or joining with any of them different is refused."""
+        return {"model": self.model, "device": self.device, "space": self.space.path,
+                "space_sha256": self.space.digest, "slo": self.slo.to_dict(), "workload": self.workload.to_dict(),
+                "quality": {"scored": self.score_quality, "tasks": list(self.quality_tasks),
+                            "limit": self.quality_limit, "max_limit": self.quality_max_limit,
+                            "max_drop_pp": self.max_quality_drop, "max_kld": self.max_kld,
+                            "seed": self.quality_seed},
+                "capacity": {"probe_requests": list(self.probe_requests), "max_probes": self.max_probes,
+                             "timeout_s": self.capacity_timeout_s, "saturation_requests": self.saturation_requests}}
 
-def bench_args(config_path: Path, out_path: Path, ctx: SearchContext, early_stop: bool = True) -> list[str]:
-    w = ctx.workload
+
+def slo_arg(slo: SLO) -> str:
+    """The SLO back in `--slo` syntax."""
+    terms = [str(b) for b in slo.bounds] + [f"{k.removesuffix('_ms')}<{v:g}ms" for k, v in slo.targets_ms]
+    return ";".join(terms)
+
+
+def bench_args(config_path: Path, out_path: Path, ctx: SearchContext) -> list[str]:
+    """`tuner bench --capacity` for one trial, with the study's workload (prompts) and SLO."""
+    w, slo = ctx.workload, ctx.slo
     args = ["bench", "--config", str(config_path), "--json", str(out_path), "--quiet", "--no-bandwidth",
+            "--capacity", "--slo", slo_arg(slo), "--confidence", str(slo.confidence),
+            "--probe-requests", f"{ctx.probe_requests[0]}:{ctx.probe_requests[1]}",
+            "--max-probes", str(ctx.max_probes), "--capacity-timeout", f"{ctx.capacity_timeout_s:g}s",
             "--requests", str(w.requests), "--input-len", f"{w.input_len[0]}:{w.input_len[1]}",
             "--output-len", f"{w.output_len[0]}:{w.output_len[1]}", "--shared-prefix", str(w.shared_prefix),
             "--seed", str(w.seed), "--arrival", w.arrival]
-    if early_stop:
-        args += ["--stop-if", ";".join(str(b) for b in ctx.bounds)]
-    args += ["--concurrency", str(w.concurrency)] if w.concurrency else ["--rate", str(w.rate)]
+    if slo.attainment is not None:
+        args += ["--attainment", str(slo.attainment)]
+    if ctx.saturation_requests:
+        args += ["--saturation-requests", str(ctx.saturation_requests)]
     if w.trace:
         args += ["--trace", w.trace]
     return args
 
 
-def measure(config: TrialConfig, ctx: SearchContext, trial_dir: Path, early_stop: bool = True) -> dict[str, Any]:
-    """Bench `config` in a child process. Returns the bench JSON, or {'status': 'failed', 'reason': ...}."""
+def measure(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[str, Any]:
+    """Measure `config`'s capacity in a child process. Returns the bench JSON, or {'status': 'failed', ...}."""
     trial_dir.mkdir(parents=True, exist_ok=True)
     cfg = trial_dir / "config.json"
     cfg.write_text(config.to_json())
     out = trial_dir / "bench.json"
     out.unlink(missing_ok=True)
-    res = run_child(bench_args(cfg, out, ctx, early_stop), trial_dir / "bench.log", ctx.trial_timeout_s)
+    res = run_child(bench_args(cfg, out, ctx), trial_dir / "bench.log", ctx.trial_timeout_s)
     if out.is_file():
         data = json.loads(out.read_text())
         data["child_wall_s"] = res.wall_s
@@ -84,7 +123,11 @@ def quality(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[st
     out = trial_dir / "quality.json"
     args = ["eval", "--model", config.model, "--quant", config.quant, "--device", config.device,
             "--tasks", ",".join(ctx.quality_tasks), "--limit", str(ctx.quality_limit),
-            "--seed", str(ctx.quality_seed), "--json", str(out)]
+            "--seed", str(ctx.quality_seed), "--json", str(out), "--max-quality-drop", str(ctx.max_quality_drop),
+            "--max-limit", str(max(ctx.quality_max_limit or ctx.quality_limit, ctx.quality_limit)),
+            "--confidence", str(ctx.slo.confidence)]
+    if ctx.max_kld is not None:
+        args += ["--max-kld", str(ctx.max_kld)]
     env = {"TUNER_RESULTS": str(ctx.results_dir)}
     res = run_child(args, trial_dir / "quality.log", ctx.trial_timeout_s * 3, env=env)
     if not out.is_file():
@@ -94,71 +137,119 @@ def quality(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[st
     return q
 
 
-def constraint_values(metrics: dict[str, Any], q: dict[str, Any], ctx: SearchContext) -> list[float]:
-    """<= 0 means satisfied. Order: bounds..., quality budget, failed requests."""
-    values = []
-    for b in ctx.bounds:
-        v = b.value(metrics)
-        values.append(math.inf if v is None else v - b.limit_ms)
-    if ctx.score_quality:
-        drop = q.get("drop_pp")
-        values.append(math.inf if drop is None else drop - ctx.max_quality_drop)
-    values.append(float(metrics.get("failed", 0)))
-    return values
+def slo_terms(ctx: SearchContext) -> list[str]:
+    return ctx.slo.terms()
 
 
 def constraint_names(ctx: SearchContext) -> list[str]:
-    quality = [f"quality drop<={ctx.max_quality_drop:g}pp"] if ctx.score_quality else []
-    return [str(b) for b in ctx.bounds] + quality + ["failed requests=0"]
+    quality = [f"quality drop<={ctx.max_quality_drop:g}pp (upper bound)"] if ctx.score_quality else []
+    return slo_terms(ctx) + ["SLO shown to hold"] + quality
 
 
-def cost_per_million(tokens_per_s: float, cost_per_hour: float | None) -> float | None:
+def slo_constraints(capacity: dict[str, Any] | None, ctx: SearchContext) -> list[float]:
+    """Normalised SLO violations at the capacity point (or the lowest rate probed), plus "shown to hold"."""
+    from tuner.capacity import bound_value_at, capacity_point
+
+    if capacity is None:  # not measured (pruned on quality): unknown, not violated
+        return [0.0] * (len(ctx.slo.terms()) + 1)
+    values = []
+    for b in ctx.slo.bounds:
+        v = bound_value_at(capacity, b)
+        values.append(10.0 if v is None else (v - b.limit_ms) / b.limit_ms)
+    if ctx.slo.targets_ms:
+        p = capacity_point(capacity) or min(capacity.get("probes") or [{}], key=lambda q: q.get("rate_rps", 0))
+        got = p.get("attainment")
+        values.append(1.0 if got is None else (ctx.slo.attainment - got) / ctx.slo.attainment)
+    values.append(0.0 if capacity.get("verdict") == "meets" else UNDECIDED)
+    return [min(v, 1e6) for v in values]
+
+
+def quality_constraint(q: dict[str, Any], ctx: SearchContext) -> float:
+    """(upper bound of the drop - budget) / max(budget, 0.5 pp); <= 0 only when the gate says within budget."""
+    gate = q.get("gate") or {}
+    hi = (gate.get("drop_ci_pp") or [None, None])[1]
+    if hi is None:
+        hi = q.get("drop_pp")
+    if hi is None:
+        return 1e6
+    value = (hi - ctx.max_quality_drop) / max(ctx.max_quality_drop, 0.5)
+    if gate.get("verdict") not in (None, "within") and value <= 0:
+        value = 0.01  # the gate decided against it (e.g. the KLD screen): never feasible
+    return value
+
+
+def cost_per_million(tokens_per_s: float | None, cost_per_hour: float | None) -> float | None:
     if not cost_per_hour or not tokens_per_s:
         return None
     return cost_per_hour / (tokens_per_s * 3600.0) * 1e6
 
 
-def objective(trial: Any, ctx: SearchContext) -> tuple[float, float, float]:
+def set_constraints(trial: Any, ctx: SearchContext, capacity: dict[str, Any] | None, q: dict[str, Any]) -> list[float]:
+    values = slo_constraints(capacity, ctx) + ([quality_constraint(q, ctx)] if ctx.score_quality else [])
+    trial.set_user_attr("constraints", values)
+    for name, value in zip(constraint_names(ctx), values):  # Optuna's own store: feasibility in TPE
+        trial.set_constraint(name, value)
+    return values
+
+
+QUALITY_KEYS = ("score", "score_stderr", "baseline_score", "drop_pp", "kld_mean", "kld_p99", "top1_agree", "tasks",
+                "limit", "seed", "gate")
+
+
+def apply_quality(trial: Any, ctx: SearchContext, config: TrialConfig, q: dict[str, Any]) -> None:
+    """Record a format's quality on the trial; a gate that says `exceeds` prunes it (constraints set), except the
+    baseline, which is always measured."""
     import optuna
 
+    trial.set_user_attr("quality", {k: q.get(k) for k in QUALITY_KEYS})
+    gate = q.get("gate") or {}
+    if gate.get("verdict") == "exceeds" and not trial.user_attrs.get("baseline"):
+        lo, hi = gate.get("drop_ci_pp") or [None, None]
+        why = (f"quality: {config.quant} drops {q.get('drop_pp') or 0:.1f} pp" +
+               (f" [{lo:.1f}, {hi:.1f}]" if lo is not None and hi is not None else "") +
+               f" > budget {ctx.max_quality_drop:g} pp with confidence: capacity not measured")
+        set_constraints(trial, ctx, None, q)
+        trial.set_user_attr("reason", why)
+        raise optuna.TrialPruned(why)
+
+
+def apply_capacity(trial: Any, ctx: SearchContext, capacity: dict[str, Any], q: dict[str, Any]
+                   ) -> tuple[float, float]:
+    """Record a measured capacity on the trial: constraints, cost, the reason when no rate met; the objectives."""
+    trial.set_user_attr("capacity", capacity)
+    set_constraints(trial, ctx, capacity, q)
+    cost = cost_per_million(capacity.get("output_tokens_per_s"), ctx.cost_per_hour)
+    if cost is not None:
+        trial.set_user_attr("cost_per_million_tokens", cost)
+    if capacity.get("verdict") != "meets":
+        trial.set_user_attr("reason", "; ".join(capacity.get("notes") or []) or
+                            f"no rate was shown to meet the SLO ({capacity.get('verdict')})")
+    return float(capacity.get("requests_per_s") or 0.0), (q.get("score", 0.0) if ctx.score_quality else 0.0)
+
+
+def objective(trial: Any, ctx: SearchContext) -> tuple[float, float]:
     config = suggest_config(trial, ctx.space, ctx.model, ctx.device)
     trial.set_user_attr("config", config.to_dict())
     trial_dir = ctx.study_dir / "trials" / f"{trial.number:04d}"
-    # the engine-default baseline always runs to the end (never pruned), so the gain over it is always known
-    bench = measure(config, ctx, trial_dir, early_stop=not trial.user_attrs.get("baseline"))
-    for key in ("engine", "environment", "workload", "load_s", "child_wall_s"):
-        if key in bench:
-            trial.set_user_attr(key, bench[key])
-    if bench.get("metrics"):
-        trial.set_user_attr("metrics", bench["metrics"])
-        trial.set_user_attr("requests", [{k: r[k] for k in ("ttft_ms", "e2e_ms", "tpot_ms", "output_tokens", "error")}
-                                         for r in bench.get("requests", [])])
-    if bench["status"] == "pruned":
-        trial.set_user_attr("reason", bench["reason"])
-        raise optuna.TrialPruned(bench["reason"])
-    if bench["status"] != "ok":
-        trial.set_user_attr("reason", bench["reason"])
-        raise TrialFailed(bench["reason"])
-    metrics = bench["metrics"]
     q: dict[str, Any] = {}
-    if ctx.score_quality:
+    if ctx.score_quality:  # first: it is cached per format, and a format out of budget needs no capacity
         q = quality(config, ctx, trial_dir)
         if "error" in q:
             trial.set_user_attr("reason", f"quality scoring failed: {q['error']}")
             raise TrialFailed(q["error"])
-        trial.set_user_attr("quality", {k: q.get(k) for k in ("score", "score_stderr", "baseline_score", "drop_pp",
-                                                              "within_noise", "kld_mean", "kld_p99", "top1_agree",
-                                                              "tasks", "limit", "seed")})
-    values = constraint_values(metrics, q, ctx)
-    trial.set_user_attr("constraints", values)
-    for name, value in zip(constraint_names(ctx), values):  # Optuna's own constraint store (feasibility in TPE)
-        trial.set_constraint(name, min(value, 1e12))
-    cost = cost_per_million(metrics["output_tokens_per_s"], ctx.cost_per_hour)
-    if cost is not None:
-        trial.set_user_attr("cost_per_million_tokens", cost)
-    latency = ctx.primary.value(metrics)
-    return (metrics["output_tokens_per_s"], latency if latency is not None else math.inf,
-            q.get("score", 0.0) if ctx.score_quality else 0.0)
+        apply_quality(trial, ctx, config, q)
+    bench = measure(config, ctx, trial_dir)
+    for key in ("engine", "environment", "workload", "load_s", "child_wall_s", "warmup"):
+        if key in bench:
+            trial.set_user_attr(key, bench[key])
+    if bench["status"] != "ok" or not (bench.get("metrics") or {}).get("capacity"):
+        reason = bench.get("reason") or "the capacity measurement wrote no result"
+        trial.set_user_attr("reason", reason)
+        raise TrialFailed(reason)
+    metrics = dict(bench["metrics"])
+    capacity = metrics.pop("capacity")
+    trial.set_user_attr("metrics", metrics)  # at the capacity point (or at saturation)
+    return apply_capacity(trial, ctx, capacity, q)
 
 
 def pid_tag() -> str:

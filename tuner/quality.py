@@ -1,13 +1,23 @@
-"""Quality of a configuration: `score_quality(config, tasks, limit, seed) -> QualityResult`.
+"""Quality of a configuration: `score_quality(config, tasks, limit, seed) -> QualityResult`, and the gate that decides
+whether it stays within a quality budget: `quality_gate(result, max_drop_pp, confidence)`.
 
 * Accuracy: lm-eval's `simple_evaluate` with an `HFLM` wrapped around the very model object `load_model(config)`
   returns (so the quantization is the one served), on the offline tasks of `evals/` (see tuner.evaldata), with a
-  fixed seed and `limit` items per task. Per task: acc_norm where lm-eval reports it (arc_easy, arc_challenge,
-  hellaswag, piqa), else acc (winogrande, boolq, mmlu); suite score = mean, stderr = sqrt(sum stderr^2) / n.
-* Distance from the baseline: the fp32 model of the same weights is scored the same way (and cached), and the
-  config's next-token distributions are compared with the fp32 ones on held text (tuner.kld): mean KLD, 99th
-  percentile KLD, top-1 agreement; accuracy drop in percentage points, `within_noise` when
-  |drop| < 2 x sqrt(stderr^2 + baseline_stderr^2) (or the drop is exactly 0).
+  fixed seed and `limit` items per task (the first `limit` documents, so a larger limit holds the smaller one's
+  items). Per task: acc_norm where lm-eval reports it (arc_easy, arc_challenge, hellaswag, piqa), else acc
+  (winogrande, boolq, mmlu); suite score = mean, stderr = sqrt(sum stderr^2) / n. Every item's 0/1 value of that
+  metric is kept (`log_samples`), keyed by task (subtask for a group such as mmlu) and lm-eval's doc id.
+* Baseline: the fp32 model of the same weights, scored the same way on the same items (and cached); its next-token
+  distributions on held text give the KL divergence (tuner.kld).
+* Paired comparison (`paired_comparison`): items matched by task + doc id; per task the drop, McNemar's exact p and
+  the discordance (share of items where exactly one model is right); for the suite (mean over tasks) the drop with
+  one-sided bounds from the stratified paired bootstrap (tuner.stats, strata = tasks), never narrower than
+  z * sqrt(d / n_eff), d being the discordance floored at its exact upper bound for zero disagreements
+  (1 - (1 - confidence)^(1/n), about 3/n at 95%): a bootstrap over items that never disagree has zero width, which
+  is no evidence that they would not at a larger limit. That half-width is `detectable_pp`.
+* Gate (`quality_gate`): `within` when the upper bound of the drop <= budget, `exceeds` when the lower bound >
+  budget, else `indeterminate`; `gated_quality` doubles the limit while indeterminate, up to a cap, and can screen on
+  KLD first (a format whose mean KLD exceeds `max_kld` is `exceeds` without running lm-eval).
 * Cache: quality depends on the weights only, so the key is (model file hash, format, tasks, limit, seed, KLD
   tokens, library versions), not the device or the serving knobs. Entries live in `$TUNER_RESULTS/quality/` (default
   `results/quality/` under the working directory) and are written atomically (temp file + os.replace), so an
@@ -23,6 +33,7 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,12 +44,17 @@ from typing import Any
 from tuner.config import TrialConfig, resolve_device
 from tuner.errors import TunerError, UnsupportedConfig
 
-SCHEMA = 1  # bump when the way a number is computed changes (invalidates every cache entry)
+SCHEMA = 2  # bump when the way a number is computed changes (invalidates every cache entry). 2: per-item values
 BATCH_SIZE = 16  # HFLM batch size (part of the key: batching changes float rounding)
 DEFAULT_LIMIT = 100
 DEFAULT_SEED = 1234
+DEFAULT_CONFIDENCE = 0.95
 BASELINE = "fp32"
+WITHIN, EXCEEDS, INDETERMINATE = "within", "exceeds", "indeterminate"
+N_BOOT = 4000  # bootstrap resamples (fixed seed below: the same items give the same bounds)
+BOOT_SEED = 0
 _FORMAT_LIBS = {"bnb": "bitsandbytes", "torchao": "torchao", "gptq": "gptqmodel"}
+_ALIAS_LINEAGE = {"smollm2-135m": "Q4_1", "gemma3-270m": "Q4_K_M"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,7 @@ class TaskScore:
     acc: float
     acc_stderr: float
     n: int  # items scored
+    items: tuple[tuple[str, float], ...] = ()  # (doc key, metric value) per item, for paired comparisons
 
     def to_dict(self) -> dict[str, Any]:
         return {"acc": self.acc, "acc_stderr": self.acc_stderr, "metric": self.metric, "n": self.n}
@@ -63,7 +80,6 @@ class QualityResult:
     baseline_stderr: float
     baseline_tasks: tuple[TaskScore, ...]
     drop_pp: float  # (baseline - score) in percentage points; positive = worse than fp32
-    within_noise: bool
     kld_mean: float
     kld_mean_stderr: float
     kld_p99: float
@@ -78,16 +94,23 @@ class QualityResult:
     compute_s: float = 0.0  # the run that produced the numbers
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON form; per-item values go to `items` / `baseline_items` ({task: {doc key: value}}), not `tasks`."""
         d = asdict(self)
         d["tasks"] = {t.name: t.to_dict() for t in self.tasks}
         d["baseline_tasks"] = {t.name: t.to_dict() for t in self.baseline_tasks}
+        d["items"] = {t.name: dict(t.items) for t in self.tasks}
+        d["baseline_items"] = {t.name: dict(t.items) for t in self.baseline_tasks}
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QualityResult:
         d = dict(d)
-        for k in ("tasks", "baseline_tasks"):
-            d[k] = tuple(TaskScore(name, v["metric"], v["acc"], v["acc_stderr"], v["n"]) for name, v in d[k].items())
+        for k, ik in (("tasks", "items"), ("baseline_tasks", "baseline_items")):
+            items = d.get(ik) or {}
+            d[k] = tuple(TaskScore(name, v["metric"], v["acc"], v["acc_stderr"], v["n"],
+                                   tuple(sorted(((str(a), float(b)) for a, b in (items.get(name) or {}).items()),
+                                                key=item_order)))
+                         for name, v in d[k].items())
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -119,19 +142,12 @@ def cache_key(model_hash: str, quant: str, tasks: tuple[str, ...], limit: int, s
             "seed": seed, "kld_tokens": kld_tokens, "batch_size": BATCH_SIZE, "versions": versions}
 
 
-def _digest(obj: Any) -> str:
+def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def cache_path(key: dict[str, Any]) -> Path:
-    return results_dir() / key["model_hash"] / f"{key['quant']}-{_digest(key)}.json"
-
-
-def reference_path(model_hash: str, kld_tokens: int, versions: dict[str, str]) -> Path:
-    """Where the fp32 reference distributions for KLD live (shared by every format of these weights)."""
-    base = {k: versions[k] for k in ("torch", "transformers")}
-    key = {"schema": SCHEMA, "model_hash": model_hash, "kld_tokens": kld_tokens, "versions": base}
-    return results_dir() / model_hash / f"reference-{_digest(key)}.npz"
+    return results_dir() / key["model_hash"] / f"{key['quant']}-{digest(key)}.json"
 
 
 def read_cache(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
@@ -183,6 +199,29 @@ def check_inputs(config: TrialConfig, tasks: Any, limit: Any, seed: Any, kld_tok
     return names
 
 
+def _finite(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def check_gate_args(max_drop_pp: Any, limit: Any, max_limit: Any = None, confidence: Any = DEFAULT_CONFIDENCE,
+                    max_kld: Any = None) -> None:
+    """The gate's own values (flag names as `tuner eval` spells them), checked before anything runs."""
+    if not _finite(max_drop_pp) or max_drop_pp < 0:
+        raise TunerError(f"--max-quality-drop {max_drop_pp!r} is invalid: expected a number of percentage points >= 0")
+    check_confidence(confidence)
+    if max_limit is not None and (isinstance(max_limit, bool) or not isinstance(max_limit, int)
+                                  or not isinstance(limit, int) or max_limit < limit):
+        raise TunerError(f"--max-limit {max_limit!r} is invalid: expected an integer >= --limit ({limit!r})")
+    if max_kld is not None and (not _finite(max_kld) or max_kld < 0):
+        raise TunerError(f"--max-kld {max_kld!r} is invalid: expected a number of nats >= 0")
+
+
+def check_confidence(confidence: Any) -> float:
+    if not _finite(confidence) or not 0.5 < confidence < 1.0:
+        raise TunerError(f"--confidence {confidence!r} is invalid: expected a number in (0.5, 1), e.g. 0.95")
+    return float(confidence)
+
+
 # ------------------------------------------------------------------------------------------------ scoring ---- #
 def _number(x: Any) -> float:
     try:
@@ -192,16 +231,45 @@ def _number(x: Any) -> float:
     return 0.0 if math.isnan(v) else v
 
 
+def leaf_tasks(name: str, out: dict[str, Any]) -> list[str]:
+    """The tasks lm-eval actually scored for `name`: itself, or the leaves of its group (mmlu -> 57 subjects)."""
+    groups = out.get("group_subtasks", {})
+    subs = groups.get(name) or []
+    if not subs:
+        return [name]
+    return [leaf for sub in subs for leaf in leaf_tasks(sub, out)]
+
+
+def task_items(name: str, metric: str, out: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+    """Per-item values of `metric` from simple_evaluate's logged samples, keyed by doc id (`subtask/doc id` for a
+    group). Empty when samples were not logged."""
+    samples = out.get("samples") or {}
+    leaves = leaf_tasks(name, out)
+    items = []
+    for leaf in leaves:
+        for s in samples.get(leaf, []):
+            key = str(s["doc_id"]) if leaves == [name] else f"{leaf}/{s['doc_id']}"
+            items.append((key, _number(s.get(metric))))
+    return tuple(sorted(items, key=item_order))
+
+
+def item_order(item: tuple[str, float]) -> tuple[str, int]:
+    """Canonical order of items: by subtask, then numeric doc id (JSON sorts keys as text: "10" < "2")."""
+    head, _, tail = item[0].rpartition("/")
+    return head, int(tail) if tail.isdigit() else -1
+
+
 def task_score(name: str, out: dict[str, Any]) -> TaskScore:
-    """Pick acc_norm (when the task reports it) or acc, with its stderr, from simple_evaluate's output."""
+    """Pick acc_norm (when the task reports it) or acc, with its stderr and per-item values, from simple_evaluate's
+    output."""
     res = out["results"][name]
     metric = "acc_norm" if "acc_norm,none" in res else "acc"
     if f"{metric},none" not in res:
         raise TunerError(f"task {name!r} reported no accuracy (metrics: {', '.join(sorted(res))})")
     n_samples = out.get("n-samples", {})
-    subtasks = out.get("group_subtasks", {}).get(name) or [name]
-    n = sum(int(n_samples.get(t, {}).get("effective", 0)) for t in subtasks)
-    return TaskScore(name, metric, _number(res[f"{metric},none"]), _number(res.get(f"{metric}_stderr,none")), n)
+    n = sum(int(n_samples.get(t, {}).get("effective", 0)) for t in leaf_tasks(name, out))
+    return TaskScore(name, metric, _number(res[f"{metric},none"]), _number(res.get(f"{metric}_stderr,none")), n,
+                     task_items(name, metric, out))
 
 
 def run_suite(model: Any, tokenizer: Any, tasks: tuple[str, ...], limit: int, seed: int,
@@ -223,7 +291,7 @@ def run_suite(model: Any, tokenizer: Any, tasks: tuple[str, ...], limit: int, se
             manager = TaskManager(include_path=include, include_defaults=False)
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
             out = simple_evaluate(
-                model=lm, tasks=list(tasks), limit=limit, task_manager=manager, log_samples=False,
+                model=lm, tasks=list(tasks), limit=limit, task_manager=manager, log_samples=True,
                 random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
             )
     finally:
@@ -239,44 +307,10 @@ def suite_score(scores: tuple[TaskScore, ...]) -> tuple[float, float]:
     return sum(s.acc for s in scores) / n, math.sqrt(sum(s.acc_stderr**2 for s in scores)) / n
 
 
-def compare_to_baseline(score: float, stderr: float, base: float, base_stderr: float) -> tuple[float, bool]:
-    """Drop in percentage points (positive = worse) and whether it is within 2 combined standard errors."""
-    drop = (base - score) * 100.0
-    combined = math.hypot(stderr, base_stderr) * 100.0
-    return drop, abs(drop) < 2.0 * combined or drop == 0.0
-
-
-def ensure_reference(config: TrialConfig, model_hash: str, kld_tokens: int, versions: dict[str, str],
-                     progress: bool, model: Any = None, tokenizer: Any = None) -> tuple[Any, bool]:
-    """The fp32 reference distributions on the held text, from the cache or computed (with `model` when given,
-    else by loading the fp32 model). Returns (reference, computed_now)."""
-    from tuner.kld import held_chunks, load_reference, reference_logprobs, save_reference
-    from tuner.models import checkpoint_dir
-    from tuner.quantize import load_model, load_tokenizer
-
-    path = reference_path(model_hash, kld_tokens, versions)
-    tok = tokenizer if tokenizer is not None else load_tokenizer(checkpoint_dir(config.model))
-    chunks = held_chunks(tok, kld_tokens)
-    ref = load_reference(path, chunks, kld_tokens)
-    if ref is not None:
-        return ref, False
-    own = model is None
-    if own:
-        model, _ = load_model(config.replace(quant=BASELINE))
-    try:
-        ref = reference_logprobs(model, chunks, kld_tokens, progress=progress)
-    finally:
-        if own:
-            del model
-            gc.collect()
-    save_reference(ref, path)
-    return ref, True
-
-
 def score_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_LIMIT, seed: int = DEFAULT_SEED, *,
                   kld_tokens: int | None = None, progress: bool = True) -> QualityResult:
     """Score `config` (accuracy on `tasks`, drop and KLD vs the fp32 baseline), through the cache."""
-    from tuner.kld import DEFAULT_KLD_TOKENS, KLDResult, kl_divergence
+    from tuner.kld import DEFAULT_KLD_TOKENS, score_kld
     from tuner.models import resolve_source, source_hash
 
     t0 = time.perf_counter()
@@ -302,19 +336,13 @@ def score_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
         baseline = score_quality(config.replace(quant=BASELINE), names, limit, seed, kld_tokens=kld_tokens,
                                  progress=progress)
         own_start = time.perf_counter()  # compute_s counts this format's own work, not the baseline's
-        ref, _ = ensure_reference(config, model_hash, kld_tokens, versions, progress)
 
     from tuner.quantize import load_model
 
     model, tokenizer = load_model(config)
     try:
         scores = run_suite(model, tokenizer, names, limit, seed)
-        if baseline is None:
-            ref, fresh = ensure_reference(config, model_hash, kld_tokens, versions, progress, model, tokenizer)
-            # The reference was just computed from this very model: comparing it with itself gives exactly 0.
-            kld = KLDResult(0.0, 0.0, 0.0, 1.0, kld_tokens) if fresh else kl_divergence(ref, model, progress)
-        else:
-            kld = kl_divergence(ref, model, progress)
+        kld, _ = score_kld(config, model_hash, kld_tokens, versions, progress, model, tokenizer)
     finally:
         del model, tokenizer
         gc.collect()
@@ -324,11 +352,10 @@ def score_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
         base_score, base_stderr, base_tasks = score, stderr, scores
     else:
         base_score, base_stderr, base_tasks = baseline.score, baseline.score_stderr, baseline.tasks
-    drop, within = compare_to_baseline(score, stderr, base_score, base_stderr)
     compute_s = time.perf_counter() - own_start
     result = QualityResult(
         config=config.to_dict(), tasks=scores, score=score, score_stderr=stderr, baseline_score=base_score,
-        baseline_stderr=base_stderr, baseline_tasks=base_tasks, drop_pp=drop, within_noise=within,
+        baseline_stderr=base_stderr, baseline_tasks=base_tasks, drop_pp=(base_score - score) * 100.0,
         kld_mean=kld.mean, kld_mean_stderr=kld.mean_stderr, kld_p99=kld.p99, top1_agree=kld.top1_agree,
         kld_tokens=kld.n_tokens, limit=limit, seed=seed, model_hash=model_hash, versions=versions, cached=False,
         wall_s=time.perf_counter() - t0, compute_s=compute_s,
@@ -338,3 +365,240 @@ def score_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
     entry.pop("wall_s")
     write_json_atomic(path, {"key": key, "result": entry})
     return result
+
+
+# -------------------------------------------------------------------------------- paired comparison ---- #
+@dataclass(frozen=True)
+class PairedTask:
+    name: str
+    n: int  # items scored by both the candidate and the baseline
+    only_baseline: int  # items the baseline got right and the candidate wrong
+    only_candidate: int  # the reverse
+    drop_pp: float  # mean (baseline - candidate) over the paired items, percentage points
+    ci_pp: tuple[float, float]  # one-sided bounds (lower, upper), each at the confidence
+    mcnemar_p: float  # exact two-sided McNemar test on the discordant items
+
+    @property
+    def discordance(self) -> float:
+        return (self.only_baseline + self.only_candidate) / self.n if self.n else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ci_pp": list(self.ci_pp), "discordance": self.discordance}
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    tasks: tuple[PairedTask, ...]
+    drop_pp: float  # suite: mean over tasks of the per-task paired drop
+    ci_pp: tuple[float, float]  # bootstrap bounds, widened to at least +-half_width_pp
+    bootstrap_ci_pp: tuple[float, float]  # the stratified paired bootstrap alone
+    half_width_pp: float  # z * sqrt(planning discordance / effective items): the smallest drop this run can show
+    confidence: float
+    items: int  # paired items over all tasks
+    effective_items: float  # T^2 / sum(1/n_task): the suite mean's equivalent pooled count
+    discordance: float  # observed share of paired items where exactly one model is right
+    planning_discordance: float  # max(observed, exact upper bound for zero disagreements at effective_items)
+    unpaired: int  # items scored by only one of the two (0 when both ran the same limit)
+    identical: bool  # the candidate is the baseline itself: drop exactly 0 by construction
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(tasks={t.name: t.to_dict() for t in self.tasks}, ci_pp=list(self.ci_pp),
+                 bootstrap_ci_pp=list(self.bootstrap_ci_pp))
+        return d
+
+
+def planning_discordance(observed: float, n: float, confidence: float) -> float:
+    """The discordance used for resolution figures: the observed share, but never below the exact one-sided upper
+    bound that zero disagreements in n items leave (1 - (1 - confidence)^(1/n), about 3/n at 95%)."""
+    from tuner.stats import proportion_bounds
+
+    return max(observed, proportion_bounds(0, max(1, round(n)), confidence)[1])
+
+
+def _drop_bounds(strata: list[list[float]], confidence: float, identical: bool = False) -> dict[str, Any]:
+    """Estimate and one-sided bounds (proportions) for the mean over strata of the paired (baseline - candidate)."""
+    from tuner.stats import detectable_difference, paired_bootstrap_ci
+
+    # the bootstrap holds n_boot x n indices per stratum: fewer resamples for a very large one (mmlu: 57 x limit)
+    n_boot = int(min(N_BOOT, max(1000, 10_000_000 // max(len(s) for s in strata))))
+    est, blo, bhi = paired_bootstrap_ci(strata, confidence, n_boot=n_boot, seed=BOOT_SEED)
+    n_eff = len(strata) ** 2 / sum(1.0 / len(s) for s in strata)
+    n_items = sum(len(s) for s in strata)
+    observed = sum(1 for s in strata for x in s if x != 0) / n_items
+    plan = planning_discordance(observed, n_eff, confidence)
+    half = 0.0 if identical else detectable_difference(n_eff, plan, confidence)  # type: ignore[arg-type]
+    return {"est": est, "lo": min(blo, est - half), "hi": max(bhi, est + half), "blo": blo, "bhi": bhi,
+            "half": half, "n_eff": n_eff, "observed": observed, "plan": plan}
+
+
+def paired_comparison(result: QualityResult, confidence: float = DEFAULT_CONFIDENCE) -> PairedComparison:
+    """The candidate against the baseline on the items both scored (matched by task + doc id)."""
+    from tuner.stats import mcnemar_p
+
+    confidence = check_confidence(confidence)
+    identical = result.config.get("quant") == BASELINE
+    base = {t.name: dict(t.items) for t in result.baseline_tasks}
+    rows, strata, unpaired = [], [], 0
+    for t in result.tasks:
+        cand, ref = dict(t.items), base.get(t.name, {})
+        keys = sorted(cand.keys() & ref.keys())
+        unpaired += len(cand.keys() ^ ref.keys())
+        if not keys:
+            continue
+        diffs = [ref[k] - cand[k] for k in keys]
+        b = _drop_bounds([diffs], confidence, identical)
+        only_b, only_c = sum(1 for x in diffs if x > 0), sum(1 for x in diffs if x < 0)
+        rows.append(PairedTask(t.name, len(keys), only_b, only_c, b["est"] * 100.0,
+                               (b["lo"] * 100.0, b["hi"] * 100.0), mcnemar_p(only_b, only_c)))
+        strata.append(diffs)
+    if not strata:
+        raise TunerError(f"no items were scored by both {result.config.get('quant')!r} and the {BASELINE} baseline: "
+                         "expected per-item results in the quality cache")
+    s = _drop_bounds(strata, confidence, identical)
+    return PairedComparison(
+        tasks=tuple(rows), drop_pp=s["est"] * 100.0, ci_pp=(s["lo"] * 100.0, s["hi"] * 100.0),
+        bootstrap_ci_pp=(s["blo"] * 100.0, s["bhi"] * 100.0), half_width_pp=s["half"] * 100.0,
+        confidence=confidence, items=sum(len(d) for d in strata), effective_items=s["n_eff"],
+        discordance=s["observed"], planning_discordance=s["plan"], unpaired=unpaired, identical=identical)
+
+
+# ------------------------------------------------------------------------------------------------ gate ---- #
+def baseline_description(model: str) -> str:
+    """What the fp32 baseline of `model` is, in one sentence (tuner.models resolves the source)."""
+    from tuner.models import resolve_source
+
+    source = resolve_source(model)
+    if source.kind == "alias":
+        return (f"fp32 dequantized from the bundled GGUF (already 4-bit lineage: {_ALIAS_LINEAGE.get(model, '?')}), "
+                "not the original bf16 checkpoint")
+    if source.kind == "gguf":
+        return (f"fp32 dequantized from the GGUF file {source.path.name} (it keeps that file's quantization), "
+                "not the original checkpoint")
+    return f"the checkpoint's own weights in fp32 ({source.path})"
+
+
+def limit_to_detect(paired: PairedComparison, limit: int, budget: float) -> int | None:
+    """The smallest --limit (items per task) at which the half-width z * sqrt(d / n_eff) is <= `budget` (a
+    proportion), d being the observed discordance with the zero-disagreement floor taken at that size
+    (tuner.stats.items_to_detect when the floor does not bind). None for a zero budget."""
+    from tuner.stats import detectable_difference, items_to_detect
+
+    if budget <= 0:
+        return None
+    per_unit = [t.n / limit for t in paired.tasks]  # items per unit of --limit: 1 per task, 57 for mmlu
+    eff = len(per_unit) ** 2 / sum(1.0 / m for m in per_unit)  # effective items per unit of --limit
+
+    def detectable(lim: int) -> float:
+        n = lim * eff
+        return detectable_difference(n, planning_discordance(paired.discordance, n, paired.confidence),  # type: ignore[arg-type]
+                                     paired.confidence)
+
+    d = paired.discordance
+    lo = max(1, math.ceil(items_to_detect(budget, d, paired.confidence) / eff)) if d > 0 else 1
+    if detectable(lo) <= budget:
+        return lo  # the floor does not bind: items_to_detect's count, the smallest at this discordance
+    hi = lo * 2
+    while detectable(hi) > budget:
+        lo, hi = hi, hi * 2
+    return _bisect(detectable, lo, hi, budget)
+
+
+def _bisect(f: Any, lo: int, hi: int, budget: float) -> int:
+    """Smallest x in (lo, hi] with f(x) <= budget, f decreasing, f(hi) <= budget."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if f(mid) <= budget else (mid, hi)
+    return hi
+
+
+def quality_gate(result: QualityResult, max_drop_pp: float, confidence: float = DEFAULT_CONFIDENCE) -> dict[str, Any]:
+    """Is the accuracy drop against the fp32 baseline within `max_drop_pp` percentage points, with `confidence`?
+    `within` when the upper bound of the drop <= budget, `exceeds` when the lower bound > budget, else
+    `indeterminate` (score more items)."""
+    check_gate_args(max_drop_pp, result.limit, None, confidence)
+    return _gate(result, paired_comparison(result, confidence), max_drop_pp)
+
+
+def _gate(result: QualityResult, p: PairedComparison, max_drop_pp: float) -> dict[str, Any]:
+    confidence = p.confidence
+    lo, hi = p.ci_pp
+    verdict = WITHIN if hi <= max_drop_pp else EXCEEDS if lo > max_drop_pp else INDETERMINATE
+    need = result.limit if p.identical else limit_to_detect(p, result.limit, max_drop_pp / 100.0)
+    warning = None
+    if max_drop_pp < p.half_width_pp:
+        warning = (f"the budget {max_drop_pp:g} pp is below the {p.half_width_pp:.2f} pp that {p.items} paired items "
+                   f"(--limit {result.limit}) can detect at {confidence:g} confidence; ")
+        warning += ("no item count can show a 0 pp budget (only a candidate shown to be better passes it)"
+                    if need is None else f"about {need} items per task (--limit {need}) would")
+    return {"verdict": verdict, "drop_pp": p.drop_pp, "drop_ci_pp": [lo, hi], "budget_pp": float(max_drop_pp),
+            "confidence": confidence, "detectable_pp": p.half_width_pp, "items_needed": need, "limit": result.limit,
+            "items": p.items, "discordance": p.discordance, "warning": warning,
+            "baseline": baseline_description(result.config["model"])}
+
+
+@dataclass(frozen=True)
+class GatedQuality:
+    """`tuner eval --max-quality-drop`: the last result scored (None when the KLD screen stopped it), the gate, and
+    every limit scored on the way."""
+
+    result: QualityResult | None
+    gate: dict[str, Any]
+    paired: PairedComparison | None
+    kld: dict[str, Any] | None = None  # the screen's KLD figures (when the lm-eval tasks were skipped)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.result.to_dict() if self.result is not None else dict(self.kld or {})
+        if self.paired is not None:
+            d["paired"] = self.paired.to_dict()
+        d["gate"] = self.gate
+        return d
+
+
+def gated_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_LIMIT, seed: int = DEFAULT_SEED, *,
+                  max_drop_pp: float, max_limit: int | None = None, confidence: float = DEFAULT_CONFIDENCE,
+                  max_kld: float | None = None, kld_tokens: int | None = None, progress: bool = True) -> GatedQuality:
+    """The gate with escalation: optional KLD screen first, then score at `limit`, doubling it (both the format and
+    the baseline, through the cache) while the verdict is indeterminate, up to `max_limit` (default: `limit`)."""
+    from tuner.kld import DEFAULT_KLD_TOKENS, score_kld
+    from tuner.models import resolve_source, source_hash
+
+    max_limit = limit if max_limit is None else max_limit
+    check_gate_args(max_drop_pp, limit, max_limit, confidence, max_kld)
+    kld_tokens = DEFAULT_KLD_TOKENS if kld_tokens is None else kld_tokens
+    names = check_inputs(config, tasks, limit, seed, kld_tokens)
+    screen = None
+    if max_kld is not None:
+        model_hash, versions = source_hash(resolve_source(config.model)), library_versions(config.quant)
+        kld, kld_cached = score_kld(config, model_hash, kld_tokens, versions, progress)
+        screen = {"kld_mean": kld.mean, "max_kld": float(max_kld), "passed": kld.mean <= max_kld}
+        if not screen["passed"]:
+            gate = {"verdict": EXCEEDS, "drop_pp": None, "drop_ci_pp": None, "budget_pp": float(max_drop_pp),
+                    "confidence": confidence, "detectable_pp": None, "items_needed": None, "limit": None,
+                    "items": 0, "discordance": None, "warning": None,
+                    "baseline": baseline_description(config.model), "screen": screen, "escalated_limits": []}
+            figures = {"config": config.to_dict(), "model_hash": model_hash, "limit": None, "seed": seed,
+                       "kld_mean": kld.mean, "kld_mean_stderr": kld.mean_stderr, "kld_p99": kld.p99,
+                       "top1_agree": kld.top1_agree, "kld_tokens": kld.n_tokens, "versions": versions,
+                       "cached": kld_cached}
+            return GatedQuality(None, gate, None, figures)
+    res = score_quality(config, names, limit, seed, kld_tokens=kld_tokens, progress=progress)
+    paired = paired_comparison(res, confidence)
+    gate = _gate(res, paired, max_drop_pp)
+    escalated: list[int] = []
+    while gate["verdict"] == INDETERMINATE and res.limit < max_limit:
+        if all(t.n < res.limit for t in res.tasks):
+            break  # every task has run out of items: a larger limit scores nothing new
+        nxt = min(2 * res.limit, max_limit)
+        if progress:
+            print(f"tuner eval: gate indeterminate at --limit {res.limit} (drop {gate['drop_pp']:+.2f} pp, "
+                  f"[{gate['drop_ci_pp'][0]:+.2f}, {gate['drop_ci_pp'][1]:+.2f}]): scoring --limit {nxt}",
+                  file=sys.stderr, flush=True)
+        res = score_quality(config, names, nxt, seed, kld_tokens=kld_tokens, progress=progress)
+        paired = paired_comparison(res, confidence)
+        gate = _gate(res, paired, max_drop_pp)
+        escalated.append(nxt)
+    gate["escalated_limits"] = escalated
+    if screen is not None:
+        gate["screen"] = screen
+    return GatedQuality(res, gate, paired)

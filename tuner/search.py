@@ -1,7 +1,9 @@
 """Run (or resume, or join) an Optuna study over the four knobs and write its answer.
 
-Study: three objectives (output tok/s max, primary latency min, quality max) with constraints, a seeded TPE
-sampler, the engine-default baseline enqueued as trial 0, and a trial budget that counts the whole study.
+Study: two objectives (capacity in req/s within the SLO -> max, quality -> max) with normalised constraints, a
+seeded TPE sampler, the engine-default baseline enqueued as trial 0 and measured the same way, and a trial budget
+that counts the whole study. Resuming or joining a study with any study-defining setting different (workload,
+space, SLO, quality budget, tasks, limit, capacity settings) is refused.
 
 Reliability contract:
   * every trial's heavy work runs in a child process (`tuner.child`); whatever goes wrong in a trial (the child
@@ -36,18 +38,33 @@ from tuner.errors import TunerError
 from tuner.objective import SearchContext, TrialFailed, constraint_names, objective
 from tuner.study import answer, open_storage, rows_from_study, trials_csv
 
-STUDY_KEYS = ("model", "primary", "bounds", "device")
+DIRECTIONS = ["maximize", "maximize"]  # capacity (req/s within the SLO), quality score
 LOCK_SUFFIX = ".tuner-lock"
 PG_LOCK_KEY = zlib.crc32(b"tuner-search-storage-lock")  # one advisory lock per PostgreSQL database
 
 
 def study_attrs(ctx: SearchContext) -> dict[str, Any]:
-    return {"model": ctx.model, "primary": str(ctx.primary), "bounds": [str(b) for b in ctx.bounds],
-            "device": ctx.device, "constraint_names": constraint_names(ctx), "space": ctx.space.path,
+    p = ctx.primary
+    return {"settings": ctx.settings(), "model": ctx.model, "device": ctx.device, "slo": ctx.slo.to_dict(),
+            "primary": str(p) if p else None, "bounds": [str(b) for b in ctx.slo.bounds],
+            "constraint_names": constraint_names(ctx), "space": ctx.space.path,
             "max_quality_drop": ctx.max_quality_drop, "workload": ctx.workload.to_dict(),
-            "quality": {"tasks": list(ctx.quality_tasks), "limit": ctx.quality_limit,
-                        "scored": ctx.score_quality},
-            "latency_metric": ctx.primary.key, "latency_target_ms": ctx.primary.limit_ms}
+            "quality": {"tasks": list(ctx.quality_tasks), "limit": ctx.quality_limit, "scored": ctx.score_quality},
+            "latency_metric": p.key if p else None, "latency_target_ms": p.limit_ms if p else None,
+            "objectives": ["capacity_requests_per_s", "quality_score"]}
+
+
+def settings_differ(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> str | None:
+    """The first study-defining setting that differs, as 'key: old -> new' (None when all equal)."""
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found = settings_differ(a, b, f"{prefix}{key}.")
+            if found:
+                return found
+        elif a != b:
+            return f"{prefix}{key}={a!r} (this run: {b!r})"
+    return None
 
 
 # -------------------------------------------------------------------------------------------- sampler --- #
@@ -66,13 +83,39 @@ def make_sampler(seed: int, n_trials: int) -> Any:
             self._base_seed = seed
 
         def before_trial(self, study: Any, trial: Any) -> None:
-            s = (self._base_seed * 1_000_003 + trial.number * 7_919) % 2**32
-            self._rng.rng.seed(s)
-            self._random_sampler._rng.rng.seed((s + 1) % 2**32)
+            reseed_sampler(self, (self._base_seed * 1_000_003 + trial.number * 7_919) % 2**32)
             super().before_trial(study, trial)
 
     return TrialSeededTPESampler(seed=seed, n_startup_trials=3,
                                  multivariate=True, group=True, constant_liar=True)
+
+
+# --------------------------------------------------------- the one place private Optuna API is used --- #
+# Declared range: optuna>=5,<6 (pyproject). Everything below touches Optuna internals and is checked by the tests.
+def reseed_sampler(sampler: Any, seed: int) -> None:
+    """Re-seed a TPESampler's random state (TPE and its start-up random sampler)."""
+    sampler._rng.rng.seed(seed)
+    sampler._random_sampler._rng.rng.seed((seed + 1) % 2**32)
+
+
+def stale_trial_ids(study: Any) -> tuple[set[int], float | None]:
+    """Ids of RUNNING trials whose heartbeat is older than the grace period, and that grace period (s)."""
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    storage = study._storage
+    if not (is_heartbeat_enabled(storage) and hasattr(storage, "_get_stale_trial_ids")):
+        return set(), None
+    backend = getattr(storage, "_backend", storage)  # optuna wraps an RDBStorage in a _CachedStorage
+    grace = getattr(backend, "grace_period", None) or 2 * storage.get_heartbeat_interval()
+    return set(storage._get_stale_trial_ids(study._study_id)), grace
+
+
+def fail_trial(study: Any, trial: Any, reason: str) -> None:
+    """Mark a RUNNING trial (not ours) FAIL with a reason."""
+    from optuna.trial import TrialState
+
+    study._storage.set_trial_user_attr(trial._trial_id, "reason", reason)
+    study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
 
 
 # ---------------------------------------------------------------------------------------------- lock --- #
@@ -191,16 +234,19 @@ def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_tri
                          f"{name} --storage ...` (a worker only joins an existing study)")
     try:
         study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, load_if_exists=True,
-                                    directions=["maximize", "minimize", "maximize"])
+                                    directions=DIRECTIONS)
     except ValueError as e:
         raise TunerError(f"study {name!r} cannot be opened: {e}") from None
+    if [d.name.lower() for d in study.directions] != DIRECTIONS:
+        raise TunerError(f"study {name!r} was made by another version of tuner (objectives "
+                         f"{[d.name.lower() for d in study.directions]}): expected a new --study name")
     attrs = study_attrs(ctx)
     old = study.user_attrs
     if old:
-        for key in STUDY_KEYS:
-            if key in old and old[key] != attrs[key]:
-                raise TunerError(f"study {name!r} already exists with {key}={old[key]!r} (this run: {attrs[key]!r}): "
-                                 "expected the same settings to resume, or a new --study name")
+        diff = settings_differ(old.get("settings") or {}, attrs["settings"])
+        if diff:
+            raise TunerError(f"study {name!r} already exists with {diff}: expected the same settings to resume "
+                             "or join, or a new --study name")
     else:
         for k, v in attrs.items():
             study.set_user_attr(k, v)
@@ -239,16 +285,9 @@ def fail_dead_trials(study: Any) -> list[int]:
     """Mark FAIL (with a reason) the RUNNING trials whose worker is gone: on this host at once (pid check), on any
     host once its heartbeat is older than the grace period. Returns the trial numbers failed."""
     import optuna
-    from optuna.storages._heartbeat import is_heartbeat_enabled
     from optuna.trial import TrialState
 
-    storage = study._storage
-    stale: set[int] = set()
-    grace = None
-    if is_heartbeat_enabled(storage) and hasattr(storage, "_get_stale_trial_ids"):
-        stale = set(storage._get_stale_trial_ids(study._study_id))
-        backend = getattr(storage, "_backend", storage)  # optuna wraps an RDBStorage in a _CachedStorage
-        grace = getattr(backend, "grace_period", None) or 2 * storage.get_heartbeat_interval()
+    stale, grace = stale_trial_ids(study)
     failed = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         worker = t.user_attrs.get("worker")
@@ -260,12 +299,27 @@ def fail_dead_trials(study: Any) -> list[int]:
         else:
             continue
         try:
-            storage.set_trial_user_attr(t._trial_id, "reason", why)
-            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            fail_trial(study, t, why)
             failed.append(t.number)
         except optuna.exceptions.UpdateFinishedTrialError:
             pass  # finished (or failed by another worker) in the meantime
     return failed
+
+
+def warn_same_host(study: Any, device: str) -> None:
+    """Two workers on one host and device share its cores (or GPU): each one's measurements slow the other's, so
+    capacities are understated and noisy. Said once, on stderr, when another live worker of this study runs here."""
+    import sys
+
+    from optuna.trial import TrialState
+
+    host = socket.gethostname()
+    others = {t.user_attrs.get("worker") for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    others = {w for w in others if w and str(w).startswith(host + ":") and not local_worker_gone(w)}
+    if others:
+        print(f"warning: another worker of study {study.study_name!r} is running on this host ({sorted(others)[0]}): "
+              f"trials on the same {device} share its cores and measure each other's load; run one worker per "
+              "machine for figures you will rely on", file=sys.stderr)
 
 
 def one_line(e: BaseException) -> str:
@@ -282,11 +336,15 @@ def memory_note(reason: str, memory_bytes: int | None) -> str:
     return reason
 
 
-def guarded_objective(trial: Any, ctx: SearchContext, memory_bytes: int | None) -> Any:
-    """`objective`, with every way a trial can go wrong turned into FAIL/PRUNED plus a one-line `reason`."""
+def guarded_objective(trial: Any, ctx: SearchContext, memory_bytes: int | None,
+                      sample: Any = None) -> Any:
+    """`objective` (after `sample`, the configuration's sampling), with every way a trial can go wrong turned into
+    FAIL/PRUNED plus a one-line `reason`."""
     import optuna
 
     try:
+        if sample is not None:
+            sample()
         return objective(trial, ctx)
     except optuna.TrialPruned:
         raise
@@ -351,6 +409,7 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
         raise
     done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
     me = worker_tag()
+    warn_same_host(study, ctx.device)
     t0 = time.time()
     bar = None
     try:
@@ -367,18 +426,20 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
                 state = trial.state.name.lower()
                 reason = trial.user_attrs.get("reason")
                 bar.set_postfix_str(f"last {state}" + (f" ({reason[:40]})" if reason else "") +
-                                    (f", best feasible {best:.2f} tok/s" if best is not None else
+                                    (f", best feasible {best:.3f} req/s" if best is not None else
                                      ", none feasible yet"))
 
             def func(trial: Any) -> Any:
                 # with the lock held (taken before the trial was created): tag it and sample its configuration,
-                # so the next worker's sampler sees this trial's parameters
-                try:
-                    trial.set_user_attr("worker", me)
-                    suggest_config(trial, ctx.space, ctx.model, ctx.device)
-                finally:
-                    lock.release()
-                return guarded_objective(trial, ctx, trial_memory_bytes)
+                # so the next worker's sampler sees this trial's parameters; a sampling error fails this trial
+                def sample() -> None:
+                    try:
+                        trial.set_user_attr("worker", me)
+                        suggest_config(trial, ctx.space, ctx.model, ctx.device)
+                    finally:
+                        lock.release()
+
+                return guarded_objective(trial, ctx, trial_memory_bytes, sample)
 
             while deadline is None or time.monotonic() < deadline:
                 with lock:
@@ -441,7 +502,10 @@ def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float
 
     rows = rows_from_study(study)
     baseline = next((t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get("baseline")), 0)
-    a = answer(rows, constraint_names(ctx), ctx.primary, baseline)
+    a = answer(rows, constraint_names(ctx), baseline, cost_per_hour=ctx.cost_per_hour,
+               target_rate=ctx.target_rate)
+    a["slo"] = ctx.slo.to_dict()
+    a["workload"] = ctx.workload.to_dict()
     a["n_running"] = sum(r.state in ("RUNNING", "WAITING") for r in rows)
     if a.get("recommendation"):
         study.set_user_attr("recommended_trial", a["recommendation"]["trial"])

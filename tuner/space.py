@@ -7,11 +7,12 @@ File format (every key optional except `knobs`):
     knobs:
       quant:       {choices: [bf16, bnb-nf4, gptq-int4]}
       batch_cap:   {choices: [1, 2, 4, 8]}            # or {low: 1, high: 32, log: true}
-      kv_fraction: {low: 0.005, high: 0.05, log: true}
       draft:       {choices: [none, "ngram:3"], when: {batch_cap: [1]}}   # else 'none'
+      kv_fraction: {low: 0.005, high: 0.05, log: true, when: {draft: [none]}}  # else the baseline's (unused)
     baseline: {quant: fp32, batch_cap: 1, kv_fraction: 0.01, draft: none}
-    workload: {requests: 16, rate: 2.0, input_len: "64:192", output_len: "32:48"}
-    quality:  {tasks: [arc_easy, piqa], limit: 50}
+    workload: {requests: 120, input_len: "64:192", output_len: "32:48"}   # prompts; the capacity search picks rates
+    quality:  {tasks: [arc_easy, piqa], limit: 50, max_limit: 200}
+    capacity: {probe_requests: "30:120", max_probes: 5, timeout: 10m}   # per trial; flags override
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Any
 from tuner.config import FORMATS, TrialConfig, parse_draft
 from tuner.errors import TunerError
 
-KNOBS = ("quant", "batch_cap", "kv_fraction", "draft")
+KNOBS = ("quant", "batch_cap", "draft", "kv_fraction")  # sampling order: a `when:` may name an earlier knob
 DEFAULTS: dict[str, Any] = {"quant": "bf16", "batch_cap": 1, "kv_fraction": 0.05, "draft": "none"}
-TOP_KEYS = {"knobs", "baseline", "workload", "quality", "description"}
+TOP_KEYS = {"knobs", "baseline", "workload", "quality", "capacity", "description"}
+CAPACITY_KEYS = {"probe_requests", "max_probes", "timeout", "saturation_requests"}
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
 
 
@@ -51,6 +53,8 @@ class Space:
     baseline: dict[str, Any]
     workload: dict[str, Any]
     quality: dict[str, Any]
+    digest: str = ""  # sha256 of the file's text: a resumed study must use the same space
+    capacity: dict[str, Any] = field(default_factory=dict)  # the capacity search's budget per trial
 
 
 def default_space_path(device: str) -> Path:
@@ -118,11 +122,14 @@ def _parse_knob(path: str, name: str, raw: Any, earlier: list[str]) -> Knob:
 
 def load_space(path: str | Path) -> Space:
     """Read and validate a space file; errors name the key path."""
+    import hashlib
+
     import yaml
 
     p = str(path)
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
     except OSError as e:
         raise TunerError(f"space file {p!r} is unreadable ({e.strerror}): expected a YAML file") from None
     except yaml.YAMLError as e:
@@ -151,10 +158,14 @@ def load_space(path: str | Path) -> Space:
             knobs[name] = Knob(name, choices=(v, *knob.choices), when=knob.when)
         elif knob.choices is None and not knob.low <= v <= knob.high:
             raise _err(p, f"baseline.{name}", f"{v} is outside knobs.{name} range [{knob.low:g}, {knob.high:g}]")
-    for section in ("workload", "quality"):
+    for section in ("workload", "quality", "capacity"):
         if data.get(section) is not None and not isinstance(data[section], dict):
             raise _err(p, section, "expected a mapping")
-    return Space(p, knobs, baseline, dict(data.get("workload") or {}), dict(data.get("quality") or {}))
+    unknown = set(data.get("capacity") or {}) - CAPACITY_KEYS
+    if unknown:
+        raise _err(p, f"capacity.{sorted(unknown)[0]}", f"unknown key: expected {', '.join(sorted(CAPACITY_KEYS))}")
+    return Space(p, knobs, baseline, dict(data.get("workload") or {}), dict(data.get("quality") or {}),
+                 hashlib.sha256(text.encode()).hexdigest(), dict(data.get("capacity") or {}))
 
 
 def restrict_to_device(space: Space, device: str) -> tuple[Space, list[str]]:
@@ -172,7 +183,8 @@ def restrict_to_device(space: Space, device: str) -> tuple[Space, list[str]]:
         else:
             keep.append(q)
     knobs = dict(space.knobs, quant=Knob("quant", choices=tuple(keep), when=knob.when))
-    return Space(space.path, knobs, space.baseline, space.workload, space.quality), notes
+    return Space(space.path, knobs, space.baseline, space.workload, space.quality, space.digest,
+                 space.capacity), notes
 
 
 def _suggest(trial: Any, knob: Knob) -> Any:

@@ -1,6 +1,8 @@
-"""Optuna storage and study handling, and the answer of a search: the feasible Pareto front, the recommendation
-(the feasible config with the highest output tok/s), its gain over the baseline, the binding constraint, the
-runner-up trade-offs, and the closest miss when nothing is feasible. Pure functions over finished trials."""
+"""Optuna storage and study handling, and the answer of a search: the feasible Pareto front (capacity, quality),
+the recommendation (the feasible config with the highest capacity within the SLO), its gain over the engine-default
+baseline with an interval, cost per 1M tokens at that load, replicas for a target rate, the binding constraint,
+the runners-up (and which of them the evidence cannot tell apart from the recommendation), and the closest miss
+when nothing is feasible. Pure functions over finished trials."""
 
 from __future__ import annotations
 
@@ -88,14 +90,27 @@ class Row:
     constraints: list[float] | None
     reason: str | None
     cost: float | None
+    capacity: dict[str, Any] | None = None
+    engine: str | None = None
 
     @property
     def feasible(self) -> bool:
         return self.state == "COMPLETE" and self.constraints is not None and all(c <= 0 for c in self.constraints)
 
     @property
+    def rps(self) -> float:
+        """Capacity: requests/s served within the SLO (0 when none was shown)."""
+        return float((self.capacity or {}).get("requests_per_s") or 0.0)
+
+    @property
+    def rps_ci(self) -> tuple[float, float]:
+        lo, hi = (self.capacity or {}).get("requests_per_s_ci") or [self.rps, self.rps]
+        return float(lo), float(hi)
+
+    @property
     def tok_s(self) -> float:
-        return float(self.metrics.get("output_tokens_per_s") or 0.0)
+        """Output tok/s at the capacity point."""
+        return float((self.capacity or {}).get("output_tokens_per_s") or 0.0)
 
 
 def rows_from_study(study: Any) -> list[Row]:
@@ -104,29 +119,25 @@ def rows_from_study(study: Any) -> list[Row]:
         ua = t.user_attrs
         rows.append(Row(t.number, t.state.name, ua.get("config") or {}, ua.get("metrics") or {},
                         ua.get("quality") or {}, ua.get("constraints"), ua.get("reason"),
-                        ua.get("cost_per_million_tokens")))
+                        ua.get("cost_per_million_tokens"), ua.get("capacity"), (ua.get("engine") or {}).get("name")))
     return rows
 
 
-def pareto_front(rows: list[Row], latency: Any) -> list[Row]:
-    """Feasible rows not dominated on (tok/s max, latency min, quality max)."""
-    pts = [(r, r.tok_s, latency(r), r.quality.get("score") or 0.0) for r in rows if r.feasible]
+def pareto_front(rows: list[Row]) -> list[Row]:
+    """Feasible rows not dominated on (capacity max, quality max)."""
+    pts = [(r, r.rps, r.quality.get("score") or 0.0) for r in rows if r.feasible]
     front = []
-    for r, a, b, c in pts:
-        dominated = any(a2 >= a and b2 <= b and c2 >= c and (a2, b2, c2) != (a, b, c) for _, a2, b2, c2 in pts)
+    for r, a, c in pts:
+        dominated = any(a2 >= a and c2 >= c and (a2, c2) != (a, c) for _, a2, c2 in pts)
         if not dominated:
             front.append(r)
-    return sorted(front, key=lambda r: -r.tok_s)
+    return sorted(front, key=lambda r: -r.rps)
 
 
-def answer(rows: list[Row], names: list[str], primary: Any, baseline_number: int | None = 0) -> dict[str, Any]:
+def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, cost_per_hour: float | None = None,
+           target_rate: float | None = None) -> dict[str, Any]:
     """The recommendation and everything said about it (JSON-able)."""
-
-    def lat(r: Row) -> float:
-        v = primary.value(r.metrics)
-        return math.inf if v is None else v
-
-    feasible = sorted([r for r in rows if r.feasible], key=lambda r: -r.tok_s)
+    feasible = sorted([r for r in rows if r.feasible], key=lambda r: (-r.rps, -(r.quality.get("score") or 0.0)))
     base = next((r for r in rows if r.number == baseline_number and r.state == "COMPLETE"), None)
     out: dict[str, Any] = {
         "n_trials": len(rows),
@@ -135,82 +146,120 @@ def answer(rows: list[Row], names: list[str], primary: Any, baseline_number: int
         "n_pruned": sum(r.state == "PRUNED" for r in rows),
         "n_failed": sum(r.state == "FAIL" for r in rows),
         "constraints": names,
-        "baseline": summary(base, lat) if base else None,
-        "pareto_front": [summary(r, lat) for r in pareto_front(rows, lat)],
+        "baseline": summary(base) if base else None,
+        "pareto_front": [summary(r) for r in pareto_front(rows)],
     }
     if feasible:
         best = feasible[0]
-        rec = summary(best, lat)
-        slack = {n: -c for n, c in zip(names, best.constraints or [])}
-        rec["binding_constraint"] = binding(names, best.constraints or [], rows)
-        rec["slack"] = slack
-        if base and base.tok_s:
-            rec["gain_over_baseline"] = best.tok_s / base.tok_s
+        rec = summary(best)
+        rec["slack"] = {n: -c for n, c in zip(names, best.constraints or [])}
+        rec["binding_constraint"] = binding(names, best, rows)
+        gain = gain_over(best, base)
+        rec.update(gain)
+        if cost_per_hour and best.tok_s:
+            rec["cost_per_million_tokens"] = cost_per_hour / (best.tok_s * 3600.0) * 1e6
+        if target_rate:
+            lo = best.rps
+            rec["target_rate_rps"] = target_rate
+            rec["replicas"] = math.ceil(target_rate / lo) if lo > 0 else None
+        rec["indistinguishable_from"] = [r.number for r in feasible[1:] if r.rps_ci[1] >= best.rps_ci[0]
+                                         and r.rps_ci[0] <= best.rps_ci[1] and r.rps_ci[1] > best.rps]
+        rec["statement"] = statement(best, base, gain)
         out["recommendation"] = rec
-        out["runners_up"] = [dict(summary(r, lat), vs_best=tradeoff(r, best, lat)) for r in feasible[1:4]]
+        out["runners_up"] = [dict(summary(r), vs_best=tradeoff(r, best)) for r in feasible[1:4]]
     else:
-        done = [r for r in rows if r.state == "COMPLETE" and r.constraints]
+        done = [r for r in rows if r.state in ("COMPLETE", "PRUNED") and r.constraints]
         if done:
-            closest = min(done, key=lambda r: miss_score(names, r.constraints))
-            out["closest"] = summary(closest, lat)
-            out["closest"]["misses"] = {n: c for n, c in zip(names, closest.constraints) if c > 0}
+            closest = min(done, key=lambda r: miss_score(r.constraints or []))
+            out["closest"] = summary(closest)
+            out["closest"]["misses"] = {n: c for n, c in zip(names, closest.constraints or []) if c > 0}
     return out
 
 
-def miss_score(names: list[str], constraints: list[float]) -> float:
-    """How far a trial is from feasible, as a sum of relative violations."""
-    total = 0.0
-    for n, c in zip(names, constraints):
-        if c > 0:
-            m = re.search(r"<=?([\d.]+)", n)
-            scale = float(m.group(1)) if m and float(m.group(1)) > 0 else 1.0
-            total += c / scale
-    return total
+def gain_over(best: Row, base: Row | None) -> dict[str, Any]:
+    """k = capacity / baseline capacity, with the interval from the two brackets."""
+    if base is None or base.capacity is None:
+        return {"gain_over_baseline": None, "gain_ci": None}
+    b_lo, b_hi = base.rps_ci
+    r_lo, r_hi = best.rps_ci
+    if base.rps <= 0:
+        return {"gain_over_baseline": None, "gain_ci": [r_lo / b_hi if b_hi else None, None]}
+    return {"gain_over_baseline": best.rps / base.rps,
+            "gain_ci": [r_lo / b_hi if b_hi else None, r_hi / b_lo if b_lo else None]}
 
 
-def binding(names: list[str], constraints: list[float], rows: list[Row]) -> str:
-    """The constraint that stopped a faster config: among trials with more throughput than the recommendation,
-    the one violated most often; without such trials, the one with the least slack."""
-    if not constraints:
+def describe(c: dict[str, Any]) -> str:
+    return (f"{c.get('quant')} batch cap {c.get('batch_cap')}, kv {c.get('kv_fraction', 0):.3g}, "
+            f"draft {c.get('draft')}")
+
+
+def statement(best: Row, base: Row | None, gain: dict[str, Any]) -> str:
+    lo, hi = best.rps_ci
+    text = (f"trial {best.number} ({describe(best.config)}, on {best.engine or '?'}) serves {best.rps:.3g} req/s "
+            f"[{lo:.3g}, {hi:.3g}] within the SLO")
+    if best.tok_s:
+        text += f" ({best.tok_s:.1f} output tok/s)"
+    if base is not None:
+        if gain.get("gain_over_baseline"):
+            g_lo, g_hi = gain["gain_ci"]
+            text += (f", {gain['gain_over_baseline']:.2f}x [{_n(g_lo)}, {_n(g_hi)}] the engine default's "
+                     f"{base.rps:.3g} req/s")
+        else:
+            text += ", where the engine default was shown to meet the SLO at no rate probed"
+    return text
+
+
+def _n(v: float | None) -> str:
+    return "?" if v is None else f"{v:.2f}"
+
+
+def miss_score(constraints: list[float]) -> float:
+    """How far a trial is from feasible: the sum of its (normalised) violations."""
+    return sum(c for c in constraints if c > 0 and math.isfinite(c))
+
+
+def binding(names: list[str], best: Row, rows: list[Row]) -> str:
+    """The constraint that stopped a higher-capacity config: among measured trials with more capacity than the
+    recommendation, the one violated most often; without such trials, the one with the least (normalised) slack."""
+    if not best.constraints:
         return "none"
-    best_tok = max((r.tok_s for r in rows if r.feasible), default=0.0)
-    faster = [r for r in rows if r.state == "COMPLETE" and r.tok_s > best_tok and r.constraints]
-    if faster:
-        counts = [sum(1 for r in faster if r.constraints[i] > 0) for i in range(len(names))]
+    better = [r for r in rows if r.state in ("COMPLETE", "PRUNED") and r.rps > best.rps and r.constraints]
+    if better:
+        counts = [sum(1 for r in better if r.constraints[i] > 0) for i in range(len(names))]
         i = max(range(len(names)), key=lambda k: counts[k])
         if counts[i]:
-            return f"{names[i]} (violated by {counts[i]} faster config(s))"
-    # least slack among the bounds that have slack to speak of (failed requests = 0 is always exactly met)
-    candidates = [k for k in range(len(constraints)) if not names[k].startswith("failed")] or list(range(len(names)))
-    i = max(candidates, key=lambda k: constraints[k] if math.isfinite(constraints[k]) else -math.inf)
-    return f"{names[i]} (least slack)"
+            return f"{names[i]} (violated by {counts[i]} config(s) with more capacity)"
+    i = max(range(len(best.constraints)), key=lambda k: best.constraints[k])
+    return f"{names[i]} (least slack: {-best.constraints[i]:.0%} of its limit)"
 
 
-def tradeoff(r: Row, best: Row, lat: Any) -> str:
-    parts = [f"{r.tok_s / best.tok_s:.2f}x tok/s" if best.tok_s else "-"]
-    if math.isfinite(lat(r)) and math.isfinite(lat(best)):
-        parts.append(f"{lat(r) - lat(best):+.0f} ms latency")
+def tradeoff(r: Row, best: Row) -> str:
+    parts = [f"{r.rps / best.rps:.2f}x capacity" if best.rps else "-"]
     if r.quality.get("score") is not None and best.quality.get("score") is not None:
         parts.append(f"{100 * (r.quality['score'] - best.quality['score']):+.1f} pp quality")
     return ", ".join(parts)
 
 
-def summary(r: Row, lat: Any) -> dict[str, Any]:
+def summary(r: Row) -> dict[str, Any]:
     m = r.metrics
-    roof = m.get("roofline") or {}
+    cap = r.capacity or {}
+    gate = (r.quality or {}).get("gate") or {}
     return {
-        "trial": r.number, "state": r.state, "config": r.config,
-        "output_tokens_per_s": r.tok_s, "latency_ms": lat(r) if math.isfinite(lat(r)) else None,
+        "trial": r.number, "state": r.state, "config": r.config, "engine": r.engine,
+        "capacity_requests_per_s": r.rps, "capacity_ci": list(r.rps_ci), "capacity_verdict": cap.get("verdict"),
+        "capacity": cap or None, "output_tokens_per_s": r.tok_s,
         "ttft_ms": m.get("ttft_ms"), "tpot_ms": m.get("tpot_ms"), "e2e_ms": m.get("e2e_ms"),
-        "failed_requests": m.get("failed"), "quality": r.quality, "cost_per_million_tokens": r.cost,
-        "percent_of_bandwidth_bound": roof.get("percent_of_bound"), "reason": r.reason,
+        "failed_requests": m.get("failed"), "quality": r.quality, "quality_verdict": gate.get("verdict"),
+        "cost_per_million_tokens": r.cost, "reason": r.reason,
     }
 
 
-CSV_FIELDS = ["number", "state", "feasible", "model", "quant", "batch_cap", "kv_fraction", "draft", "device",
-              "output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
-              "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "failed", "acceptance_rate", "peak_rss_mb", "peak_cuda_mb",
-              "quality_score", "quality_stderr", "drop_pp", "kld_mean", "cost_per_million_tokens", "reason"]
+CSV_FIELDS = ["number", "state", "feasible", "engine", "model", "quant", "batch_cap", "kv_fraction", "draft",
+              "device", "capacity_rps", "capacity_rps_low", "capacity_rps_high", "capacity_verdict",
+              "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms",
+              "e2e_p50_ms", "e2e_p99_ms", "failed", "peak_rss_mb", "peak_cuda_mb", "quality_score",
+              "quality_stderr", "drop_pp", "drop_upper_pp", "quality_verdict", "kld_mean",
+              "cost_per_million_tokens", "reason"]
 
 
 def trials_csv(rows: list[Row]) -> str:
@@ -219,21 +268,24 @@ def trials_csv(rows: list[Row]) -> str:
     w.writeheader()
     for r in rows:
         m, q, c = r.metrics, r.quality, r.config
+        gate = q.get("gate") or {}
 
         def pct(key: str, stat: str, m: dict = m) -> Any:
             return (m.get(key) or {}).get(stat)
 
+        lo, hi = r.rps_ci
         w.writerow({
-            "number": r.number, "state": r.state, "feasible": r.feasible, **{k: c.get(k) for k in
-                                                                              ("model", "quant", "batch_cap",
-                                                                               "kv_fraction", "draft", "device")},
-            "output_tokens_per_s": m.get("output_tokens_per_s"), "requests_per_s": m.get("requests_per_s"),
+            "number": r.number, "state": r.state, "feasible": r.feasible, "engine": r.engine,
+            **{k: c.get(k) for k in ("model", "quant", "batch_cap", "kv_fraction", "draft", "device")},
+            "capacity_rps": r.rps if r.capacity else None, "capacity_rps_low": lo if r.capacity else None,
+            "capacity_rps_high": hi if r.capacity else None, "capacity_verdict": (r.capacity or {}).get("verdict"),
+            "output_tokens_per_s": r.tok_s if r.capacity else None,
             "ttft_p50_ms": pct("ttft_ms", "p50"), "ttft_p99_ms": pct("ttft_ms", "p99"),
             "tpot_p50_ms": pct("tpot_ms", "p50"), "tpot_p99_ms": pct("tpot_ms", "p99"),
             "itl_p99_ms": pct("itl_ms", "p99"), "e2e_p50_ms": pct("e2e_ms", "p50"), "e2e_p99_ms": pct("e2e_ms", "p99"),
-            "failed": m.get("failed"), "acceptance_rate": m.get("acceptance_rate"),
-            "peak_rss_mb": m.get("peak_rss_mb"), "peak_cuda_mb": m.get("peak_cuda_mb"),
+            "failed": m.get("failed"), "peak_rss_mb": m.get("peak_rss_mb"), "peak_cuda_mb": m.get("peak_cuda_mb"),
             "quality_score": q.get("score"), "quality_stderr": q.get("score_stderr"), "drop_pp": q.get("drop_pp"),
+            "drop_upper_pp": (gate.get("drop_ci_pp") or [None, None])[1], "quality_verdict": gate.get("verdict"),
             "kld_mean": q.get("kld_mean"), "cost_per_million_tokens": r.cost, "reason": r.reason,
         })
     return buf.getvalue()

@@ -76,13 +76,27 @@ def parse_range(text: str, name: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
-def arrival_times(n: int, rate: float, kind: str, rng: random.Random) -> list[float]:
-    """Arrival offsets in seconds from the start: Poisson process (exponential gaps) or constant spacing."""
+def arrival_times(n: int, rate: float, kind: str, seed: int) -> list[float]:
+    """Arrival offsets in seconds from the start: Poisson process (exponential gaps) or constant spacing.
+
+    The gaps come from their own random stream (seeded apart from the prompts), drawn at unit rate and scaled by
+    1/rate: with one seed, every rate and every arrival mode serves the same prompts, and the arrival pattern at
+    rate 2r is the one at rate r compressed (common random numbers across a rate sweep)."""
+    rng = random.Random(f"arrivals-{seed}")
     t, out = 0.0, []
     for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate) if kind == "poisson" else 1.0 / rate
+        out.append(t / rate)
+        t += rng.expovariate(1.0) if kind == "poisson" else 1.0
     return out
+
+
+def with_arrivals(requests: list[Request], rate: float | None, kind: str, seed: int) -> list[Request]:
+    """The same requests re-timed: open loop at `rate` (req/s), or closed loop (arrival None) when rate is None.
+    Indices are renumbered from 0 so any slice of a workload is a workload."""
+    import dataclasses
+
+    times = arrival_times(len(requests), rate, kind, seed) if rate else [None] * len(requests)
+    return [dataclasses.replace(r, index=i, arrival_s=t) for i, (r, t) in enumerate(zip(requests, times))]
 
 
 def token_pool(tokenizer: Any) -> list[int]:
@@ -96,12 +110,12 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any) -> list[Request]:
     """Deterministic for a given spec (seed) and tokenizer."""
     if spec.trace:
         return load_trace(spec.trace, tokenizer)
-    rng = random.Random(spec.seed)
+    rng = random.Random(spec.seed)  # prompts and lengths only; arrivals have their own stream
     pool = token_pool(tokenizer)
     prefix = pool[: spec.shared_prefix]
     body = pool[spec.shared_prefix :]
     open_loop = spec.concurrency is None
-    arrivals = arrival_times(spec.requests, spec.rate or 1.0, spec.arrival, rng) if open_loop else None
+    arrivals = arrival_times(spec.requests, spec.rate or 1.0, spec.arrival, spec.seed) if open_loop else None
     out = []
     for i in range(spec.requests):
         n_in = rng.randint(*spec.input_len)

@@ -35,6 +35,84 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                    "already exceeded, e.g. 'ttft:p99<300ms'")
     g.add_argument("--json", metavar="FILE", help="write {config, metrics, ...} as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_capacity_args(p)
+
+
+def add_capacity_args(p: argparse.ArgumentParser, with_switch: bool = True) -> None:
+    """SLO and capacity-search flags (shared by `tuner bench --capacity` and `tuner search`)."""
+    from tuner.targets import DEFAULT_ATTAINMENT
+
+    g = p.add_argument_group("capacity: the highest rate served within the SLO (see tuner/capacity.py)")
+    if with_switch:
+        g.add_argument("--capacity", action="store_true",
+                       help="measure capacity: warm-up, saturation probe, then a bracketed search over the arrival "
+                            "rate for the highest rate at which every SLO term holds with confidence")
+        g.add_argument("--latency-target", metavar="TIME", help="with --capacity: bound on --latency-metric (300ms)")
+        g.add_argument("--latency-metric", default="ttft:p99", help="METRIC:STAT (default ttft:p99)")
+        g.add_argument("--slo", help="'ttft:p99<300ms;tpot:p50<50ms' bounds and/or per-request targets "
+                                     "'ttft<300ms;tpot<50ms' (with --attainment)")
+    g.add_argument("--attainment", type=float, metavar="SHARE",
+                   help=f"share of requests that must meet every per-request target (default {DEFAULT_ATTAINMENT})")
+    g.add_argument("--confidence", type=float, default=0.95, help="confidence of every verdict (default 0.95)")
+    g.add_argument("--probe-requests", metavar="A:B",
+                   help="requests per rate probe: A first, pooled up to B while undecided (default 30:120)")
+    g.add_argument("--max-probes", type=int, help="rate probes at most (default 5)")
+    g.add_argument("--capacity-timeout", metavar="DURATION",
+                   help="no new probe starts after this long (default 10m)")
+    g.add_argument("--saturation-requests", type=int, metavar="N",
+                   help="requests in the saturation probe (default max(3 x in-flight, 16))")
+
+
+def recorded_slo(path: str | None) -> Any:
+    """The SLO a bench or export JSON's capacity was measured under (None when it has none)."""
+    import json
+    from pathlib import Path
+
+    from tuner.targets import SLO
+
+    if not path:
+        return None
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    m = (data.get("measured") or data).get("metrics") if isinstance(data, dict) else None
+    slo = ((m or {}).get("capacity") or {}).get("slo") if isinstance(m, dict) else None
+    return SLO.from_dict(slo) if isinstance(slo, dict) else None
+
+
+CAPACITY_DEFAULTS = {"probe_requests": "30:120", "max_probes": 5, "timeout": "10m", "saturation_requests": None}
+
+
+def capacity_settings(args: argparse.Namespace, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Flags, else `base` (a space file's `capacity:` section), else the defaults; validated."""
+    from tuner.targets import parse_duration_s
+    from tuner.workload import parse_range
+
+    s = {**CAPACITY_DEFAULTS, **(base or {})}
+    for key, flag in (("probe_requests", "probe_requests"), ("max_probes", "max_probes"),
+                      ("timeout", "capacity_timeout"), ("saturation_requests", "saturation_requests")):
+        if getattr(args, flag, None) is not None:
+            s[key] = getattr(args, flag)
+    probe = parse_range(str(s["probe_requests"]), "--probe-requests")
+    if probe[0] < 4:
+        raise TunerError(f"--probe-requests {s['probe_requests']} is invalid: expected A:B with 4 <= A <= B")
+    if not isinstance(s["max_probes"], int) or s["max_probes"] < 1:
+        raise TunerError(f"--max-probes {s['max_probes']} is invalid: expected an integer >= 1")
+    sat = s["saturation_requests"]
+    if sat is not None and (not isinstance(sat, int) or sat < 4):
+        raise TunerError(f"--saturation-requests {sat} is invalid: expected an integer >= 4")
+    return {"probe_requests": probe, "max_probes": s["max_probes"],
+            "timeout_s": parse_duration_s(str(s["timeout"]), "--capacity-timeout"), "saturation_requests": sat}
+
+
+def capacity_options(args: argparse.Namespace, slo: Any, seed: int, arrival: str) -> Any:
+    from tuner.capacity import CapacityOptions
+
+    s = capacity_settings(args)
+    return CapacityOptions(slo=slo, probe_requests=s["probe_requests"], max_probes=s["max_probes"],
+                           max_wall_s=s["timeout_s"], saturation_requests=s["saturation_requests"],
+                           arrival=arrival, seed=seed)
 
 
 def parse_goodput(items: list[str]) -> dict[str, float] | None:
@@ -62,8 +140,24 @@ def run(args: argparse.Namespace) -> int:
         from tuner.targets import parse_slo
 
         should_stop = stop_when_past(parse_slo(args.stop_if))
+    capacity = None
+    if args.capacity:
+        from tuner.targets import build_slo
+
+        if args.stop_if:
+            raise TunerError("--stop-if does not apply with --capacity: expected one of them (a capacity probe stops "
+                             "by itself once the SLO is missed with confidence)")
+        if not (args.latency_target or args.slo) and recorded_slo(args.config):
+            full = recorded_slo(args.config)  # closed loop: re-measure under the SLO the export was measured with
+        else:
+            _, full = build_slo(args.latency_target, args.latency_metric, args.slo, args.attainment,
+                                args.confidence)
+        capacity = capacity_options(args, full, spec.seed, spec.arrival)
+    elif args.latency_target or args.slo or args.attainment is not None:
+        raise TunerError("--latency-target/--slo/--attainment need --capacity: expected --capacity, or --goodput "
+                         "for a per-request SLO at one fixed load")
     opts = BenchOptions(workload=spec, slo_ms=slo, timeout_s=args.timeout, ignore_eos=not args.respect_eos,
-                        measure_bandwidth=not args.no_bandwidth, progress=not args.quiet)
+                        measure_bandwidth=not args.no_bandwidth, progress=not args.quiet, capacity=capacity)
     result = run_bench(config, opts, should_stop)
     if result["status"] == "unsupported":
         raise TunerError(result["reason"])
@@ -76,6 +170,57 @@ def run(args: argparse.Namespace) -> int:
 
 def _fmt(v: Any, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _ci(ci: Any) -> str:
+    lo, hi = (ci or [None, None])
+    return f"[{_fmt(lo, 0) if lo is not None else '?'}, {_fmt(hi, 0) if hi is not None else '?'}]"
+
+
+def format_percentiles(m: dict[str, Any]) -> list[str]:
+    """Percentile table: every value with its n, and the distribution-free 95% interval of p50 and p99."""
+    lines = [f"{'metric':<10}{'n':>6}{'p50':>10}{'p90':>10}{'p95':>10}{'p99':>10}{'mean':>10}   "
+             f"{'p50 95% CI':>16}{'p99 95% CI':>18}"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = m.get(key) or {}
+        ci = s.get("ci") or {}
+        lines.append(f"{key:<10}{s.get('n', 0):>6}" + "".join(f"{_fmt(s.get(k)):>10}" for k in
+                                                              ("p50", "p90", "p95", "p99", "mean"))
+                     + f"   {_ci(ci.get('p50')):>16}{_ci(ci.get('p99')):>18}")
+    return lines
+
+
+def capacity_has_point(c: dict[str, Any]) -> bool:
+    return bool(c.get("requests_per_s"))
+
+
+def format_capacity(c: dict[str, Any]) -> list[str]:
+    lo, hi = c["requests_per_s_ci"]
+    slo = c["slo"]
+    terms = list(slo["bounds"])
+    if slo.get("targets_ms"):
+        terms.append(f"{slo['attainment']:.0%} of requests within "
+                     + ", ".join(f"{k.removesuffix('_ms')}<{v:g}ms" for k, v in slo["targets_ms"].items()))
+    head = f"capacity: {c['requests_per_s']:.3f} req/s [{lo:.3f}, {hi:.3f}]"
+    if c.get("output_tokens_per_s"):
+        head += f" = {c['output_tokens_per_s']:.1f} output tok/s"
+    head += f", verdict {c['verdict'].upper()} at {slo['confidence']:.0%} confidence for SLO {'; '.join(terms)}"
+    sat = c["saturation"]
+    lines = [head, f"  saturation (closed loop, {sat['concurrency']} in flight, n={sat['n']}): "
+                   f"{sat['requests_per_s']:.3f} req/s, {sat['output_tokens_per_s']:.1f} output tok/s"]
+    lines.append(f"  {'rate req/s':>11}{'n':>5}{'achieved':>10}{'ttft p50':>10}{'ttft p99':>10}{'tpot p50':>10}"
+                 f"{'attain':>8}  verdict")
+    for p in c["probes"]:
+        att = "-" if p.get("attainment") is None else f"{p['attainment']:.2f}"
+        lines.append(f"  {p['rate_rps']:>11.3f}{p['n']:>5}{_fmt(p['achieved_rps'], 3):>10}"
+                     f"{_fmt(p['ttft_ms'].get('p50'), 0):>10}{_fmt(p['ttft_ms'].get('p99'), 0):>10}"
+                     f"{_fmt(p['tpot_ms'].get('p50'), 0):>10}{att:>8}  {p['verdict']}"
+                     + (f" (stopped early: {p['stopped_early']})" if p.get("stopped_early") else ""))
+    cost = c["cost"]
+    lines.append(f"  cost: {cost['probes']} probes + warm-up + saturation, {cost['requests']} requests, "
+                 f"{cost['wall_s']:.0f} s")
+    lines.extend(f"  note: {n}" for n in c.get("notes", []))
+    return lines
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -91,12 +236,13 @@ def format_report(result: dict[str, Any]) -> str:
     m = result.get("metrics")
     if not m:
         return "\n".join(lines)
-    lines.append(f"{'metric':<10}{'p50':>10}{'p90':>10}{'p95':>10}{'p99':>10}{'mean':>10}")
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-        s = m[key]
-        lines.append(f"{key:<10}" + "".join(f"{_fmt(s[k]):>10}" for k in ("p50", "p90", "p95", "p99", "mean")))
-    lines.append(f"output tok/s {_fmt(m['output_tokens_per_s'], 2)}   req/s {_fmt(m['requests_per_s'], 3)}   "
-                 f"completed {m['completed']}   failed {m['failed']}   duration {_fmt(m['duration_s'], 2)} s")
+    if m.get("capacity"):
+        lines.extend(format_capacity(m["capacity"]))
+        lines.append("at the capacity point:" if capacity_has_point(m["capacity"]) else "at saturation:")
+    lines.extend(format_percentiles(m))
+    if m.get("duration_s") is not None:
+        lines.append(f"output tok/s {_fmt(m['output_tokens_per_s'], 2)}   req/s {_fmt(m['requests_per_s'], 3)}   "
+                     f"completed {m['completed']}   failed {m['failed']}   duration {_fmt(m['duration_s'], 2)} s")
     extra = f"peak RSS {_fmt(m['peak_rss_mb'], 0)} MB"
     if m.get("peak_cuda_mb") is not None:
         extra += f"   peak CUDA {_fmt(m['peak_cuda_mb'], 0)} MB"

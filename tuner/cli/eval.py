@@ -1,13 +1,15 @@
-"""`tuner eval`: score a configuration's quality offline with lm-eval, against the fp32 baseline of the same weights.
+"""`tuner eval`: accuracy on offline lm-eval tasks, the drop against the fp32 baseline of the same weights paired
+on the same items, KL divergence, and (with --max-quality-drop) the gate's verdict.
 
     tuner eval --model smollm2-135m --quant bnb-nf4 --limit 100 --json out.json
+    tuner eval --model smollm2-135m --quant bf16 --limit 50 --max-quality-drop 2 --max-limit 400 [--max-kld 0.05]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +19,12 @@ from tuner.config import DEVICES, FORMATS
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from tuner.evaldata import DEFAULT_SUITE
     from tuner.kld import DEFAULT_KLD_TOKENS
-    from tuner.quality import DEFAULT_LIMIT, DEFAULT_SEED
+    from tuner.quality import DEFAULT_CONFIDENCE, DEFAULT_LIMIT, DEFAULT_SEED
 
     p = sub.add_parser("eval", help="score a configuration's quality with lm-eval",
-                       description="Accuracy on offline benchmarks (lm-eval), accuracy drop and KL divergence "
-                                   "against the fp32 model of the same weights. Results are cached.")
+                       description="Accuracy on offline benchmarks (lm-eval), accuracy drop (paired on the same items) "
+                                   "and KL divergence against the fp32 model of the same weights, and a gate on a "
+                                   "quality budget. Results are cached.")
     p.add_argument("--model", required=True, help="alias (see `tuner models`), checkpoint directory or .gguf file")
     p.add_argument("--quant", default="bf16", metavar="FORMAT", help=f"quantization format: {', '.join(FORMATS)}")
     p.add_argument("--tasks", default=None,
@@ -31,51 +34,118 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", choices=DEVICES, help="where to run the model (default auto)")
     p.add_argument("--kld-tokens", type=int, default=DEFAULT_KLD_TOKENS,
                    help=f"held-text tokens scored for KL divergence (default {DEFAULT_KLD_TOKENS})")
+    g = p.add_argument_group("quality gate")
+    g.add_argument("--max-quality-drop", type=float, default=None, metavar="PP",
+                   help="budget: the largest accuracy drop vs fp32 allowed, in percentage points (>= 0); prints the "
+                        "verdict within | exceeds | indeterminate")
+    g.add_argument("--max-limit", type=int, default=None, metavar="N",
+                   help="while the verdict is indeterminate, double --limit up to N (default: --limit, no escalation)")
+    g.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE, metavar="C",
+                   help=f"confidence of each one-sided bound, in (0.5, 1) (default {DEFAULT_CONFIDENCE})")
+    g.add_argument("--max-kld", type=float, default=None, metavar="NATS",
+                   help="screen first: a mean KLD vs fp32 above this is `exceeds` without running the lm-eval tasks")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON to PATH")
     p.add_argument("--results-dir", metavar="DIR", default=None,
                    help="results folder holding the quality cache (default $TUNER_RESULTS or ./results)")
 
 
+def _pp(x: float) -> str:
+    return f"{x:+.1f}"
+
+
 def format_table(res: dict[str, Any]) -> str:
-    """Per-task accuracy ± stderr next to the fp32 baseline, then the suite score, drop and KLD."""
+    """Per task: accuracy ± stderr, items, fp32 baseline, paired drop [lower, upper] and McNemar p; then the suite
+    line, KLD, and the gate line when there is one."""
     cfg = res["config"]
-    head = f"{cfg['model']}  {cfg['quant']}  limit {res['limit']}  seed {res['seed']}"
-    if res["cached"]:
+    limit = "- (lm-eval skipped)" if res["limit"] is None else res["limit"]
+    head = f"{cfg['model']}  {cfg['quant']}  limit {limit}  seed {res['seed']}"
+    if res.get("cached"):
         head += "  (cached)"
-    lines = [head, f"{'task':<16}{'metric':<10}{'acc':>8}   {'± stderr':<9}{'fp32':>8}{'drop pp':>9}{'n':>7}"]
-    for name, t in res["tasks"].items():
-        base = res["baseline_tasks"].get(name, {}).get("acc")
-        base_s = f"{base:>8.4f}" if base is not None else f"{'':>8}"
-        drop = f"{(base - t['acc']) * 100:>+9.1f}" if base is not None else f"{'':>9}"
-        lines.append(f"{name:<16}{t['metric']:<10}{t['acc']:>8.4f}   ± {t['acc_stderr']:<7.4f}{base_s}{drop}{t['n']:>7}")
-    noise = "within noise" if res["within_noise"] else "beyond noise"
-    lines.append(f"{'score (mean)':<26}{res['score']:>8.4f}   ± {res['score_stderr']:<7.4f}"
-                 f"{res['baseline_score']:>8.4f}{res['drop_pp']:>+9.1f}  {noise}")
+    lines = [head]
+    paired = res.get("paired")
+    if "tasks" in res and paired is not None:
+        conf = f"{paired['confidence']:g}"
+        lines.append(f"{'task':<16}{'metric':<10}{'acc':>8}   {'± stderr':<9}{'n':>6}{'fp32':>8}{'drop pp':>9}"
+                     f"  {'[lower, upper] @' + conf:<20}{'McNemar p':>10}")
+        for name, t in res["tasks"].items():
+            base = res["baseline_tasks"].get(name, {}).get("acc")
+            base_s = f"{base:>8.4f}" if base is not None else f"{'':>8}"
+            pt = paired["tasks"].get(name)
+            pair = (f"{_pp(pt['drop_pp']):>9}  {'[' + _pp(pt['ci_pp'][0]) + ', ' + _pp(pt['ci_pp'][1]) + ']':<20}"
+                    f"{pt['mcnemar_p']:>10.3f}") if pt else f"{'':>9}  {'(no paired items)':<20}"
+            lines.append(f"{name:<16}{t['metric']:<10}{t['acc']:>8.4f}   ± {t['acc_stderr']:<7.4f}{t['n']:>6}"
+                         f"{base_s}{pair}")
+        ci = paired["ci_pp"]
+        lines.append(f"{'suite (mean)':<26}{res['score']:>8.4f}   ± {res['score_stderr']:<7.4f}{paired['items']:>6}"
+                     f"{res['baseline_score']:>8.4f}{_pp(paired['drop_pp']):>9}  "
+                     f"{'[' + _pp(ci[0]) + ', ' + _pp(ci[1]) + ']':<20}"
+                     f"  discordance {paired['discordance'] * 100:.1f}%")
     lines.append(f"KLD vs fp32 over {res['kld_tokens']} tokens: mean {res['kld_mean']:.5f} ± {res['kld_mean_stderr']:.5f}"
                  f"  p99 {res['kld_p99']:.4f}  top-1 agreement {res['top1_agree'] * 100:.2f}%")
-    lines.append(f"wall {res['wall_s']:.1f} s")
+    gate = res.get("gate")
+    if gate is not None:
+        lines.extend(format_gate(gate))
+    if "wall_s" in res:
+        lines.append(f"wall {res['wall_s']:.1f} s")
     return "\n".join(lines)
 
 
+def format_gate(gate: dict[str, Any]) -> list[str]:
+    screen = gate.get("screen")
+    if screen is not None and not screen["passed"]:
+        return [f"gate: {gate['verdict'].upper()}  KLD screen: mean {screen['kld_mean']:.5f} nats > --max-kld "
+                f"{screen['max_kld']:g}: lm-eval tasks skipped", f"  baseline: {gate['baseline']}"]
+    lo, hi = gate["drop_ci_pp"]
+    line = (f"gate: {gate['verdict'].upper()}  drop {_pp(gate['drop_pp'])} pp [{_pp(lo)}, {_pp(hi)}] vs budget "
+            f"{gate['budget_pp']:g} pp at {gate['confidence']:g} (one-sided bounds); detectable "
+            f"{gate['detectable_pp']:.2f} pp with {gate['items']} paired items (--limit {gate['limit']})")
+    out = [line]
+    if gate.get("escalated_limits"):
+        out.append(f"  escalated: --limit {' -> '.join(str(x) for x in gate['escalated_limits'])}")
+    if screen is not None:
+        out.append(f"  KLD screen passed: mean {screen['kld_mean']:.5f} <= {screen['max_kld']:g} nats")
+    if gate.get("warning"):
+        out.append(f"  warning: {gate['warning']}")
+    out.append(f"  baseline: {gate['baseline']}")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    from tuner.cli.common import write_json_atomic
     from tuner.config import TrialConfig
     from tuner.errors import TunerError
     from tuner.evaldata import set_offline
 
+    t0 = time.perf_counter()
     if args.json and Path(args.json).expanduser().is_dir():
         raise TunerError(f"--json {args.json!r} is a directory: expected a file path")
+    from tuner.quality import check_confidence, check_gate_args
+
+    if args.max_quality_drop is None:
+        for flag, value in (("--max-limit", args.max_limit), ("--max-kld", args.max_kld)):
+            if value is not None:
+                raise TunerError(f"{flag} {value!r} needs --max-quality-drop PP (the budget it gates on)")
+        check_confidence(args.confidence)
+    else:
+        check_gate_args(args.max_quality_drop, args.limit, args.max_limit if args.max_limit is not None else args.limit,
+                        args.confidence, args.max_kld)
     set_offline()
     if args.results_dir:
         os.environ["TUNER_RESULTS"] = str(Path(args.results_dir).expanduser())
-    from tuner.quality import score_quality
+    from tuner.quality import gated_quality, paired_comparison, score_quality
 
     config = TrialConfig(model=args.model, quant=args.quant, device=args.device)
-    result = score_quality(config, args.tasks, args.limit, args.seed, kld_tokens=args.kld_tokens)
-    res = result.to_dict()
+    if args.max_quality_drop is None:
+        result = score_quality(config, args.tasks, args.limit, args.seed, kld_tokens=args.kld_tokens)
+        res = result.to_dict()
+        res["paired"] = paired_comparison(result, args.confidence).to_dict()
+    else:
+        gated = gated_quality(config, args.tasks, args.limit, args.seed, max_drop_pp=args.max_quality_drop,
+                              max_limit=args.max_limit, confidence=args.confidence, max_kld=args.max_kld,
+                              kld_tokens=args.kld_tokens)
+        res = gated.to_dict()
+    res["wall_s"] = time.perf_counter() - t0
     print(format_table(res))
     if args.json:
-        path = Path(args.json).expanduser()
-        if path.parent != Path():
-            path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=2) + "\n")
+        write_json_atomic(Path(args.json).expanduser(), res)
     return 0

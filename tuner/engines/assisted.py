@@ -8,6 +8,8 @@ decoder keeps a dynamic cache); it is recorded as such. Drafts:
   draft:M:K      assistant model M proposing K tokens per step (`num_assistant_tokens=K`, constant schedule);
                  universal assisted decoding when the tokenizers differ
   early-exit:L   self-speculation from the model's first L layers (`assistant_early_exit=L`)
+  none           the same batch-1 decoders without a draft: the reference a draft's effect is measured against
+                 (tuner.bench measures it on the same engine, weights and prompts as the draft run)
 Acceptance rate = accepted / proposed draft tokens, counted on the candidate generator of each request.
 """
 
@@ -65,6 +67,8 @@ class AssistedEngine(Engine):
 
     def generate_kwargs_summary(self) -> dict[str, Any]:
         d = self.draft
+        if d.kind == "none":
+            return {}
         if d.kind == "ngram":
             return {"prompt_lookup_num_tokens": d.tokens}
         if d.kind == "early-exit":
@@ -105,6 +109,8 @@ class AssistedEngine(Engine):
         kw: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens if self.ignore_eos else 0,
                               "do_sample": False, "pad_token_id": self.tokenizer.pad_token_id or eos}
         d = self.draft
+        if d.kind == "none":
+            return kw
         if d.kind == "ngram":
             kw["prompt_lookup_num_tokens"] = d.tokens
         elif d.kind == "early-exit":

@@ -31,7 +31,8 @@ class Capabilities:
 
 
 class Engine(ABC):
-    """Lifecycle: `start()` (load, allocate, warm up) -> `submit(...)`* -> `stop()`."""
+    """Lifecycle: `start()` (load, allocate) -> `submit(...)`* -> `stop()`. The bench warms an engine up with
+    requests drawn from the workload itself (tuner.bench), so engines need no warm-up of their own."""
 
     @abstractmethod
     def capabilities(self) -> Capabilities: ...

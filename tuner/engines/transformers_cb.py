@@ -61,26 +61,6 @@ class ContinuousBatchingEngine(Engine):
         self.manager.start()
         self._collector = threading.Thread(target=self._collect, name="cb-collector", daemon=True)
         self._collector.start()
-        self.warm_up()
-
-    def warm_up(self) -> None:
-        """Allocate the cache and run a couple of steps before anything is timed."""
-        done = threading.Event()
-        errors: list[str | None] = []
-
-        class _Sink:
-            def on_tokens(self, token_ids: list[int], engine_time_s: float | None) -> None:
-                pass
-
-            def on_finish(self, error: str | None, draft_proposed: int = 0, draft_accepted: int = 0) -> None:
-                errors.append(error)
-                if len(errors) == 2:
-                    done.set()
-
-        ids = self.tokenizer("Warm-up request for the serving engine.", add_special_tokens=False)["input_ids"]
-        for i in range(2):
-            self.submit(f"warmup-{i}", list(ids), 4, _Sink())
-        done.wait(timeout=600)
 
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int, sink: TokenSink) -> None:
         with self._lock:

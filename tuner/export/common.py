@@ -254,6 +254,14 @@ def measured_lines(ctx: Context) -> list[str]:
     src = f"study {ctx.study!r}, trial {ctx.trial}" if ctx.study is not None else "a TrialConfig (no study)"
     lines = [f"Source: {src}; measured on {engine_label(ctx.engine)}."]
     m = ctx.metrics or {}
+    cap = m.get("capacity") if isinstance(m.get("capacity"), Mapping) else None
+    if cap and isinstance(cap.get("requests_per_s"), (int, float)):
+        lo, hi = (cap.get("requests_per_s_ci") or [None, None])[:2]
+        slo = cap.get("slo") or {}
+        terms = list(slo.get("bounds") or []) + [f"{k.removesuffix('_ms')}<{v:g}ms"
+                                                  for k, v in (slo.get("targets_ms") or {}).items()]
+        lines.append(f"Capacity: {cap['requests_per_s']:.3g} req/s [{lo}, {hi}] within the SLO {'; '.join(terms)} "
+                     f"({cap.get('verdict')}).")
     if m:
         parts = []
         for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")):

@@ -79,6 +79,9 @@ def load_trial(study_name: str, storage: str = DEFAULT_STORAGE, number: int | No
                          "`tuner search` and cannot be exported")
     engine = trial.user_attrs.get("engine")
     metrics = trial.user_attrs.get("metrics")
+    capacity = trial.user_attrs.get("capacity")
+    if isinstance(metrics, dict) and isinstance(capacity, dict):  # the measure the search ranked it by, with its SLO
+        metrics = {**metrics, "capacity": capacity}
     workload = trial.user_attrs.get("workload")
     return TrialRecord(study_name, number, TrialConfig.from_dict(dict(config)),
                        engine if isinstance(engine, dict) else None, metrics if isinstance(metrics, dict) else None,

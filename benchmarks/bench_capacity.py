@@ -1,0 +1,105 @@
+"""Capacity benchmark on smollm2-135m, all figures from one run on this machine (`tuner bench --capacity`, each
+measurement in a fresh process, interleaved so slow drifts of the shared machine hit every config alike).
+
+(a) gain: the capacity of a chosen config (default bf16, batch cap 16, KV 0.01) vs the engine default
+    (fp32, batch cap 1, KV 0.01, no draft) at the same SLO and workload. Goal >= 5x.
+(b) repeatability: the chosen config measured --repeat times: spread of capacity around the median. Goal +-10%.
+
+Usage: .venv/bin/python benchmarks/bench_capacity.py [--slo "ttft:p90<2s"] [--repeat 3] [--json out.json]
+       [--config quant,cap,kv,draft] [--input-len 64:192] [--output-len 24:48] [--probe-requests 30:60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = "smollm2-135m"
+DEFAULT = ("fp32", 1, 0.01, "none")
+
+
+def measure(cfg: tuple, args: argparse.Namespace) -> dict:
+    quant, cap, kv, draft = cfg
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "cap.json"
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "tuner", "bench", "--model", MODEL, "--quant", quant,
+                               "--batch-cap", str(cap), "--kv-fraction", str(kv), "--draft", draft, "--capacity",
+                               "--slo", args.slo, "--input-len", args.input_len, "--output-len", args.output_len,
+                               "--probe-requests", args.probe_requests, "--max-probes", str(args.max_probes),
+                               "--capacity-timeout", args.capacity_timeout, "--seed", str(args.seed),
+                               "--no-bandwidth", "--quiet", "--json", str(out)], capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        if proc.returncode != 0 or not out.is_file():
+            return {"config": cfg, "error": (proc.stderr.strip().splitlines() or ["?"])[-1], "wall_s": wall}
+        cap_ = json.loads(out.read_text())["metrics"]["capacity"]
+    return {"config": cfg, "requests_per_s": cap_["requests_per_s"], "ci": cap_["requests_per_s_ci"],
+            "verdict": cap_["verdict"], "output_tokens_per_s": cap_["output_tokens_per_s"],
+            "saturation_rps": cap_["saturation"]["requests_per_s"], "probes": len(cap_["probes"]),
+            "requests": cap_["cost"]["requests"], "wall_s": wall, "notes": cap_["notes"]}
+
+
+def show(r: dict) -> str:
+    q, cap, kv, draft = r["config"]
+    name = f"{q} cap {cap} kv {kv} draft {draft}"
+    if "error" in r:
+        return f"  {name:<36} ERROR {r['error']}"
+    lo, hi = r["ci"]
+    return (f"  {name:<36} {r['requests_per_s']:.3f} req/s [{lo:.3f}, {hi:.3f}] {r['verdict']:<13} "
+            f"sat {r['saturation_rps']:.3f}  {r['probes']} probes, {r['requests']} req, {r['wall_s']:.0f} s")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--slo", default="ttft:p90<2s")
+    p.add_argument("--config", default="bf16,16,0.01,none", help="quant,cap,kv,draft of the config to compare")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--input-len", default="64:192")
+    p.add_argument("--output-len", default="24:48")
+    p.add_argument("--probe-requests", default="30:60")
+    p.add_argument("--max-probes", type=int, default=4)
+    p.add_argument("--capacity-timeout", default="10m")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json")
+    args = p.parse_args()
+    q, cap, kv, draft = args.config.split(",")
+    chosen = (q, int(cap), float(kv), draft)
+    print(f"SLO {args.slo}, workload in {args.input_len} out {args.output_len}, probes {args.probe_requests} "
+          f"x {args.max_probes}")
+    runs: list[dict] = []
+    base: list[dict] = []
+    for i in range(args.repeat):  # interleaved: chosen, default, chosen, ...
+        runs.append(measure(chosen, args))
+        print(show(runs[-1]), flush=True)
+        if i == 0:
+            base.append(measure(DEFAULT, args))
+            print(show(base[-1]), flush=True)
+    ok = [r["requests_per_s"] for r in runs if "error" not in r]
+    out: dict = {"slo": args.slo, "chosen": runs, "default": base}
+    if ok and base and "error" not in base[0]:
+        med = statistics.median(ok)
+        b = base[0]["requests_per_s"]
+        gain = med / b if b else None
+        out["gain"] = gain
+        print(f"(a) gain: {med:.3f} / {b:.3f} req/s = " + (f"{gain:.2f}x (goal >= 5x)" if gain else
+                                                           "undefined: the default meets the SLO at no rate probed"))
+    if len(ok) >= 2:
+        med = statistics.median(ok)
+        spread = [100 * (x - med) / med for x in ok] if med else []
+        out["repeatability_percent"] = spread
+        print(f"(b) repeatability over {len(ok)} runs: median {med:.3f} req/s, deviations "
+              + ", ".join(f"{s:+.1f}%" for s in spread) + " (goal within +-10%)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

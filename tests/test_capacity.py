@@ -1,0 +1,96 @@
+"""The capacity search on a fake engine whose service rate is known, and its verdict logic on real statistics."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fake_engine import FakeEngine
+from tuner.capacity import CapacityOptions, CapacitySearch, certain_miss, judge
+from tuner.loadgen import run_load
+from tuner.metrics import RequestResult
+from tuner.stats import min_samples_to_meet
+from tuner.targets import SLO, build_slo, parse_slo
+from tuner.workload import Request
+
+
+def pool(n, max_tokens=8):
+    return [Request(i, "x", (1, 2, 3), max_tokens, None) for i in range(n)]
+
+
+def search(engine, slo, **kw):
+    engine.start()
+    try:
+        def run(reqs, concurrency, timeout_s, should_stop):
+            return run_load(engine, reqs, concurrency, timeout_s, should_stop, progress=False)
+
+        opts = CapacityOptions(slo=slo, **{"probe_requests": (30, 60), "arrival": "constant", **kw})
+        return CapacitySearch(run, pool(80), engine.servers, opts).search()
+    finally:
+        engine.stop(drain=False)
+
+
+def test_finds_a_known_service_rate_within_tolerance():
+    # 2 servers x (20 ms + 7 x 10 ms) = 0.09 s per request -> 22.2 req/s; with constant arrivals nothing queues
+    # below that rate (E2E = 90 ms) and the queue grows above it, so E2E p90 < 200 ms holds up to ~the service rate
+    mu = 2 / (0.02 + 7 * 0.01)
+    cap = search(FakeEngine(servers=2, prefill_s=0.02, token_s=0.01), SLO(tuple(parse_slo("e2e:p90<200ms"))))
+    assert cap["verdict"] == "meets"
+    assert cap["saturation"]["requests_per_s"] == pytest.approx(mu, rel=0.15)
+    lo, hi = cap["requests_per_s_ci"]
+    assert lo == cap["requests_per_s"] and hi - lo <= 0.1 * hi + 1e-9  # the bracket met its tolerance
+    assert mu * 0.8 <= cap["requests_per_s"] <= mu * 1.05
+    assert all(p["verdict"] == "meets" for p in cap["probes"] if p["rate_rps"] <= cap["requests_per_s"])
+    assert cap["cost"]["requests"] <= 600 and cap["cost"]["probes"] <= 6
+    assert cap["warmup"]["n"] == 2 and cap["warmup"]["failed"] == 0
+
+
+def test_a_tight_ttft_bound_lowers_capacity():
+    # a TTFT below two prefills means no request may wait behind another: capacity well under the service rate
+    engine = FakeEngine(servers=1, prefill_s=0.03, token_s=0.005)
+    loose = search(engine, SLO(tuple(parse_slo("ttft:p90<500ms"))))
+    tight = search(FakeEngine(servers=1, prefill_s=0.03, token_s=0.005),
+                   SLO(tuple(parse_slo("ttft:p50<40ms"))), arrival="poisson", max_probes=3)
+    assert loose["verdict"] == "meets"
+    assert tight["requests_per_s"] < loose["requests_per_s"]
+
+
+def test_attainment_below_target_misses_at_every_rate():
+    # every 4th request is 10x slower: 75% of requests meet e2e < 150 ms whatever the rate
+    slow = FakeEngine(servers=2, prefill_s=0.01, token_s=0.005, slow=lambda n: 10.0 if n % 4 == 3 else 1.0)
+    _, slo = build_slo(None, "ttft:p99", "e2e<150ms", attainment=0.95)
+    cap = search(slow, slo, max_probes=2)
+    assert cap["verdict"] == "misses" and cap["requests_per_s"] == 0
+    assert all(p["verdict"] == "misses" for p in cap["probes"])
+    assert all(p["attainment"] < 0.9 for p in cap["probes"])
+
+
+def test_p99_beyond_the_probe_budget_is_said_plainly():
+    cap = search(FakeEngine(servers=2, prefill_s=0.005, token_s=0.002), SLO(tuple(parse_slo("ttft:p99<1s"))),
+                 max_probes=1)
+    assert cap["min_requests_to_meet"] == min_samples_to_meet(0.99) == 299
+    assert any("needs at least 299 requests" in n for n in cap["notes"])
+    assert cap["verdict"] == "indeterminate"  # never a coin flip: p99 of 60 requests cannot be shown to hold
+
+
+def ok(i, ttft):
+    return RequestResult(index=i, prompt_tokens=3, output_tokens=4, ttft_ms=ttft, e2e_ms=ttft + 30.0)
+
+
+def test_judge_decides_only_with_evidence():
+    slo = SLO(tuple(parse_slo("ttft:p90<100ms")))
+    assert judge([ok(i, 50.0) for i in range(40)], slo)["verdict"] == "meets"  # 40 >= 29 all within
+    assert judge([ok(i, 50.0) for i in range(10)], slo)["verdict"] == "indeterminate"  # too few to show p90
+    assert judge([ok(i, 500.0) for i in range(10)], slo)["verdict"] == "misses"
+    failed = [RequestResult(index=i, error="boom") for i in range(10)]
+    assert judge(failed, slo)["verdict"] == "misses"  # a failed request is never within the SLO
+
+
+def test_early_stop_only_when_the_miss_is_certain():
+    slo = SLO(tuple(parse_slo("ttft:p50<100ms")))
+    stop = certain_miss(slo, ramp=0)
+    # 5 of 40 finished, all late: the 35 still running could still make p50 hold -> go on
+    assert stop([ok(i, 900.0) for i in range(5)], 40) is None
+    # 25 of 40 finished late: with 15 perfect ones, 15/40 within is not yet below 50% with 95% confidence
+    assert stop([ok(i, 900.0) for i in range(25)], 40) is None
+    # 30 of 40 late: 10/40 within is (binomial P <= 0.002): stop
+    assert "ttft:p50<100ms missed with confidence" in stop([ok(i, 900.0) for i in range(30)], 40)

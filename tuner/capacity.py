@@ -1,0 +1,357 @@
+"""Capacity: the highest arrival rate a started engine sustains while meeting the SLO, with confidence.
+
+What users of vLLM's `auto_tune` / `sweep serve_sla`, GuideLLM's sweep and DistServe's goodput ask, measured on
+one engine that is already started:
+
+1. **Warm-up** drawn from the workload itself: `batch_cap` requests (at least 2) in a closed loop at the batch cap,
+   so every slot and the largest batch shape have run before anything is timed. Errors are surfaced; the warm-up is
+   excluded from every statistic.
+2. **Saturation probe**: a closed loop keeping more than `batch_cap` requests in flight (so the engine never
+   idles), whose steady-state completion rate bounds the sustainable rate from above (an open-loop arrival rate
+   above the service rate makes the queue grow without bound).
+3. **Bracketed rate search** between 0 and that bound: Poisson (or constant) open-loop probes on the same prompts
+   (common random numbers, arrivals scaled to the rate). Each probe gets a verdict against the SLO at the given
+   confidence (tuner.stats): `meets` raises the lower end, `misses` lowers the upper end; `indeterminate` gets
+   more requests at the same rate (pooled, up to the per-probe cap) and, still undecided, is treated as not
+   shown to meet (it lowers the upper end; the answer says so). Below the first meeting rate the search halves
+   the rate; between a meeting and a missing rate it bisects, until the bracket is within `tolerance` of its
+   upper end or the budget (probes, requests, seconds) is spent.
+4. **Steady state**: the first `ramp_fraction` of each probe's requests (at least 1) see an emptier engine than
+   the rest; they are sent but left out of the probe's statistics.
+5. A probe stops early only when its verdict can no longer be anything but `misses` (every request still to
+   finish counted as meeting the SLO): an exceeded bound is exceeded with confidence before the probe is cut.
+
+Result (`metrics.capacity` of `tuner bench --capacity`, one trial's measure in `tuner search`):
+`{requests_per_s, requests_per_s_ci: [low, high], output_tokens_per_s, goodput_requests_per_s, verdict, slo,
+warmup, saturation, probes: [{rate_rps, n, ..., verdict}], cost: {requests, probes, wall_s}, notes}`.
+`requests_per_s` is the highest probed rate shown to meet the SLO (0 when none); the interval runs from it to the
+lowest rate above it not shown to meet (or the saturation rate): each end decided at the SLO's confidence.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tuner.metrics import RequestResult, compute_metrics
+from tuner.stats import (
+    INDETERMINATE,
+    MEETS,
+    MISSES,
+    attainment_verdict,
+    bound_verdict,
+    combine_verdicts,
+    min_samples_to_meet,
+    proportion_bounds,
+)
+from tuner.targets import SLO, Bound
+from tuner.workload import Request, with_arrivals
+
+
+@dataclass(frozen=True)
+class CapacityOptions:
+    slo: SLO
+    probe_requests: tuple[int, int] = (30, 120)  # first pass, cap after pooling more at an undecided rate
+    max_probes: int = 6  # open-loop probes (the saturation probe not counted)
+    max_requests: int = 600  # all probes together (warm-up and saturation included)
+    max_wall_s: float = 900.0  # no new probe starts past this (a started probe may run to its own time limit)
+    tolerance: float = 0.1  # stop when (high - low) <= tolerance * high
+    ramp_fraction: float = 0.1
+    arrival: str = "poisson"
+    seed: int = 0
+    saturation_requests: int | None = None  # default max(3 x in-flight, 16)
+
+    def __post_init__(self) -> None:
+        from tuner.errors import TunerError
+
+        lo, hi = self.probe_requests
+        if lo < 4 or hi < lo:
+            raise TunerError(f"--probe-requests {lo}:{hi} is invalid: expected A:B with 4 <= A <= B")
+        if self.max_probes < 1:
+            raise TunerError(f"--max-probes {self.max_probes} is invalid: expected an integer >= 1")
+        if not 0 < self.tolerance < 1:
+            raise TunerError(f"capacity tolerance {self.tolerance} is invalid: expected a number in (0, 1)")
+
+    @staticmethod
+    def warmup_count(batch_cap: int) -> int:
+        return max(2, batch_cap)
+
+
+# ------------------------------------------------------------------------------------- probe verdicts --- #
+def request_values(results: Sequence[RequestResult], metric: str) -> list[float]:
+    """Per-request values of a metric for a verdict: failed requests count as infinitely late; ITL pools every
+    chunk gap (one infinite gap for a failed request); a TPOT-less request (one token) is left out."""
+    out: list[float] = []
+    for r in results:
+        if not r.ok:
+            out.append(math.inf)
+        elif metric == "itl":
+            out.extend(r.itl_ms)
+        else:
+            v = r.tpot_ms if metric == "tpot" else getattr(r, f"{metric}_ms")
+            if v is not None:
+                out.append(v)
+    return out
+
+
+def meets_targets(r: RequestResult, targets: dict[str, float]) -> bool:
+    if not r.ok:
+        return False
+    for key, limit in targets.items():
+        v = r.tpot_ms if key == "tpot_ms" else getattr(r, key)
+        if v is not None and v > limit:
+            return False
+    return True
+
+
+def judge(results: Sequence[RequestResult], slo: SLO) -> dict[str, Any]:
+    """Verdict of one probe's (steady-state) requests against every SLO term."""
+    terms: dict[str, Any] = {}
+    verdicts = []
+    for b in slo.bounds:
+        v = bound_verdict(request_values(results, b.metric), b.stat, b.limit_ms, slo.confidence)
+        terms[str(b)] = v
+        verdicts.append(v)
+    out: dict[str, Any] = {"terms": terms, "attainment": None, "attainment_ci": None}
+    if slo.targets_ms:
+        good = sum(meets_targets(r, slo.targets) for r in results)
+        n = len(results)
+        v = attainment_verdict(good, n, slo.attainment, slo.confidence)
+        lo, hi = proportion_bounds(good, n, slo.confidence)
+        out.update(attainment=good / n if n else None, attainment_ci=[lo, hi])
+        terms[f"attainment>={slo.attainment:g}"] = v
+        verdicts.append(v)
+    out["verdict"] = combine_verdicts(verdicts)
+    return out
+
+
+def certain_miss(slo: SLO, ramp: int) -> Callable[[list[RequestResult], int], str | None] | None:
+    """Early stop for a probe: stop once a term is `misses` even if every request still to finish met the SLO
+    perfectly, so the cut never changes the verdict. Only per-request terms (percentiles of ttft/tpot/e2e and the
+    attainment) can be decided this way; a mean or an ITL bound waits for the whole probe."""
+    bounds = [b for b in slo.bounds if b.stat != "mean" and b.metric != "itl"]
+    if not bounds and not slo.targets_ms:
+        return None
+    best = RequestResult(index=-1, prompt_tokens=1, output_tokens=2, ttft_ms=0.0, e2e_ms=0.0)
+
+    def should_stop(finished: list[RequestResult], total: int) -> str | None:
+        steady = [r for r in finished if r.index >= ramp]
+        if len(steady) < 4:
+            return None
+        padded = steady + [best] * max(0, total - ramp - len(steady))
+        missed = [str(b) for b in bounds
+                  if bound_verdict(request_values(padded, b.metric), b.stat, b.limit_ms, slo.confidence) == MISSES]
+        if slo.targets_ms:
+            good = sum(meets_targets(r, slo.targets) for r in padded)
+            if attainment_verdict(good, len(padded), slo.attainment, slo.confidence) == MISSES:
+                missed.append(f"attainment>={slo.attainment:g}")
+        if missed:
+            return f"{', '.join(missed)} missed with confidence after {len(steady)} of {total - ramp} requests"
+        return None
+
+    return should_stop
+
+
+# ----------------------------------------------------------------------------------------- the search --- #
+def probe_summary(rate: float | None, results: list[RequestResult], duration_s: float, slo: SLO,
+                  ramp: int) -> dict[str, Any]:
+    steady = [r for r in results if r.index >= ramp]
+    m = compute_metrics(steady, duration_s, slo.targets or None)
+    j = judge(steady, slo)
+    return {"rate_rps": rate, "n": len(steady), "ramp": ramp, "achieved_rps": m["requests_per_s"],
+            "output_tokens_per_s": m["output_tokens_per_s"], "goodput_requests_per_s": m.get("goodput_requests_per_s"),
+            "ttft_ms": m["ttft_ms"], "tpot_ms": m["tpot_ms"], "e2e_ms": m["e2e_ms"], "itl_ms": m["itl_ms"],
+            "dispatch_lag_ms": m["dispatch_lag_ms"], "attainment": j["attainment"],
+            "attainment_ci": j["attainment_ci"], "terms": j["terms"], "verdict": j["verdict"],
+            "completed": m["completed"], "failed": m["failed"], "errors": m["errors"], "duration_s": duration_s}
+
+
+class CapacitySearch:
+    """Drives warm-up, saturation and rate probes through `run(requests, concurrency, timeout, should_stop)`,
+    a function that serves a list of requests on the started engine and returns a tuner.loadgen.LoadResult."""
+
+    def __init__(self, run: Callable[..., Any], pool: Sequence[Request], batch_cap: int, options: CapacityOptions,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.run, self.pool, self.cap, self.o = run, list(pool), batch_cap, options
+        self.log = log or (lambda s: None)
+        self.requests_used = 0
+        self.t0 = time.monotonic()
+        self.notes: list[str] = []
+        self.probes: list[dict[str, Any]] = []
+        self.results_at: dict[float, list[RequestResult]] = {}
+
+    # --------------------------------------------------------------------------------- steps --- #
+    def warm_up(self) -> dict[str, Any]:
+        n = self.o.warmup_count(self.cap)
+        reqs = with_arrivals(self.pool[-n:], None, self.o.arrival, self.o.seed)
+        load = self.run(reqs, concurrency=self.cap, timeout_s=self.o.max_wall_s, should_stop=None)
+        self.requests_used += n
+        failed = [r for r in load.results if not r.ok]
+        return {"n": n, "concurrency": self.cap, "failed": len(failed),
+                "errors": sorted({r.error or "" for r in failed})[:3], "duration_s": load.duration_s}
+
+    def saturate(self) -> dict[str, Any]:
+        c = self.cap + max(1, self.cap // 4)
+        n = self.o.saturation_requests or max(3 * c, 16)
+        reqs = with_arrivals(self.body(n), None, self.o.arrival, self.o.seed)
+        load = self.run(reqs, concurrency=c, timeout_s=self.o.max_wall_s, should_stop=None)
+        self.requests_used += n
+        ok = sorted((r for r in load.results if r.ok), key=lambda r: r.send_s + (r.e2e_ms or 0) / 1e3)
+        ends = [r.send_s + (r.e2e_ms or 0) / 1e3 for r in ok]
+        # steady state: completions after the first `c` (the initial fill), over the time they took
+        if len(ends) > c + 1 and ends[-1] > ends[c - 1]:
+            rate = (len(ends) - c) / (ends[-1] - ends[c - 1])
+            tok = sum(r.output_tokens for r in ok[c:]) / (ends[-1] - ends[c - 1])
+        else:
+            m = compute_metrics(load.results, load.duration_s)
+            rate, tok = m["requests_per_s"], m["output_tokens_per_s"]
+        m = compute_metrics(load.results, load.duration_s)
+        return {"concurrency": c, "n": n, "requests_per_s": rate, "output_tokens_per_s": tok,
+                "completed": m["completed"], "failed": m["failed"], "errors": m["errors"], "ttft_ms": m["ttft_ms"],
+                "tpot_ms": m["tpot_ms"], "e2e_ms": m["e2e_ms"], "itl_ms": m["itl_ms"],
+                "dispatch_lag_ms": m["dispatch_lag_ms"], "duration_s": load.duration_s}
+
+    def body(self, n: int) -> list[Request]:
+        """The measured prompts (the warm-up ones come from the end of the pool)."""
+        w = self.o.warmup_count(self.cap)
+        usable = self.pool[: max(1, len(self.pool) - w)]
+        return [usable[i % len(usable)] for i in range(n)]
+
+    def probe(self, rate: float) -> dict[str, Any]:
+        """One rate: a first pass, then more requests (pooled) while undecided, up to the per-probe cap."""
+        first, cap = self.o.probe_requests
+        need = self.min_needed()
+        n = min(max(first, need), cap)
+        pooled: list[RequestResult] = []
+        duration = 0.0
+        ramp_total = 0
+        stopped = None
+        offset = 0
+        while True:
+            ramp = max(1, math.ceil(self.o.ramp_fraction * n))
+            batch = self.body(offset + n + ramp)[offset:]
+            reqs = with_arrivals(batch, rate, self.o.arrival, self.o.seed + offset)
+            span = (reqs[-1].arrival_s or 0.0) if reqs else 0.0
+            load = self.run(reqs, concurrency=None, timeout_s=2.0 * span + 60.0,
+                            should_stop=certain_miss(self.o.slo, ramp))
+            self.requests_used += len(reqs)
+            offset += len(reqs)
+            ramp_total += ramp
+            duration += load.duration_s
+            pooled += [r for r in load.results if r.index >= ramp]
+            stopped = load.stopped_reason
+            verdict = judge(pooled, self.o.slo)["verdict"]
+            if verdict != INDETERMINATE or stopped or len(pooled) >= cap or self.out_of_budget(n / rate):
+                break
+            n = min(len(pooled), cap - len(pooled))  # double the sample, up to the cap
+        for i, r in enumerate(pooled):
+            r.index = i + 1  # renumbered: the pooled set has no ramp left in it
+        summary = probe_summary(rate, pooled, duration, self.o.slo, ramp=0)
+        summary.update(ramp=ramp_total, stopped_early=stopped, sent=offset)
+        self.probes.append(summary)
+        self.log(f"probe {rate:.3f} req/s: n={summary['n']} -> {summary['verdict']}"
+                 + (f" ({stopped})" if stopped else ""))
+        return summary
+
+    def min_needed(self) -> int:
+        """Requests a probe needs before `meets` is possible at all, for the most demanding SLO term."""
+        qs = [float(b.stat[1:]) / 100 for b in self.o.slo.bounds if b.stat != "mean"]
+        if self.o.slo.targets_ms:
+            qs.append(float(self.o.slo.attainment))
+        return max((min_samples_to_meet(q, self.o.slo.confidence) for q in qs), default=5)
+
+    def out_of_budget(self, next_probe_s: float = 0.0) -> bool:
+        left = self.o.max_wall_s - (time.monotonic() - self.t0)
+        return self.requests_used >= self.o.max_requests or left <= next_probe_s
+
+    # --------------------------------------------------------------------------------- search --- #
+    def search(self) -> dict[str, Any]:
+        o = self.o
+        need = self.min_needed()
+        if need > o.probe_requests[1]:
+            hard = [str(b) for b in o.slo.bounds if b.stat != "mean"
+                    and min_samples_to_meet(float(b.stat[1:]) / 100, o.slo.confidence) > o.probe_requests[1]]
+            if o.slo.targets_ms and min_samples_to_meet(o.slo.attainment, o.slo.confidence) > o.probe_requests[1]:
+                hard.append(f"attainment {o.slo.attainment:g}")
+            self.notes.append(
+                f"{', '.join(hard)} needs at least {need} requests per probe for a 'meets' at "
+                f"{o.slo.confidence:.0%} confidence, but a probe may use {o.probe_requests[1]}: no rate can be shown "
+                f"to meet it. Raise --probe-requests to {need} or more, or judge a lower percentile / attainment.")
+        warm = self.warm_up()
+        if warm["failed"] == warm["n"]:
+            raise RuntimeError(f"every warm-up request failed: {warm['errors'][0] if warm['errors'] else '?'}")
+        sat = self.saturate()
+        self.log(f"saturation ({sat['concurrency']} in flight, n={sat['n']}): {sat['requests_per_s']:.3f} req/s")
+        out: dict[str, Any] = {"warmup": warm, "saturation": sat}
+        if sat["completed"] == 0 or not sat["requests_per_s"]:
+            raise RuntimeError(f"no request completed in the saturation probe: "
+                               f"{sat['errors'][0] if sat['errors'] else 'no tokens'}")
+        high = sat["requests_per_s"]  # an open-loop rate above the service rate is not sustainable
+        low = 0.0
+        low_probe: dict[str, Any] | None = None
+        rate = 0.75 * high
+        floor = high / 64.0
+        while len(self.probes) < o.max_probes and not self.out_of_budget(o.probe_requests[0] / rate):
+            p = self.probe(rate)
+            if p["verdict"] == MEETS:
+                low, low_probe = rate, p
+            else:
+                high = rate
+                if p["verdict"] == INDETERMINATE:
+                    self.notes.append(f"{rate:.3g} req/s stayed indeterminate after {p['n']} requests: "
+                                      "counted as not shown to meet the SLO")
+            if low > 0 and high - low <= o.tolerance * high:
+                break
+            rate = (low + high) / 2.0 if low > 0 else rate / 2.0
+            if rate < floor:
+                break
+        else:
+            if len(self.probes) < o.max_probes:
+                self.notes.append(f"capacity budget spent ({self.requests_used} requests, "
+                                  f"{time.monotonic() - self.t0:.0f} s): the bracket is wider than {o.tolerance:.0%}")
+        if low_probe is not None:
+            verdict = MEETS
+        elif self.probes and all(p["verdict"] == MISSES for p in self.probes):
+            verdict = MISSES
+        else:
+            verdict = INDETERMINATE
+        if verdict == MISSES:
+            self.notes.append(f"the SLO is missed with confidence even at {min(p['rate_rps'] for p in self.probes):.3g}"
+                              " req/s, the lowest rate probed")
+        out.update({
+            "requests_per_s": low,
+            "requests_per_s_ci": [low, high],
+            "output_tokens_per_s": low_probe["output_tokens_per_s"] if low_probe else None,
+            "goodput_requests_per_s": low_probe.get("goodput_requests_per_s") if low_probe else None,
+            "verdict": verdict,
+            "slo": o.slo.to_dict(),
+            "probes": sorted(self.probes, key=lambda p: p["rate_rps"]),
+            "cost": {"requests": self.requests_used, "probes": len(self.probes),
+                     "wall_s": time.monotonic() - self.t0},
+            "notes": self.notes,
+            "min_requests_to_meet": need,
+            "method": {"probe_requests": list(o.probe_requests), "max_probes": o.max_probes,
+                       "tolerance": o.tolerance, "ramp_fraction": o.ramp_fraction, "arrival": o.arrival,
+                       "confidence": o.slo.confidence},
+        })
+        return out
+
+
+def capacity_point(capacity: dict[str, Any]) -> dict[str, Any] | None:
+    """The probe at the capacity rate (None when no rate meets)."""
+    rate = capacity.get("requests_per_s")
+    return next((p for p in capacity.get("probes", []) if rate and p["rate_rps"] == rate), None)
+
+
+def bound_value_at(capacity: dict[str, Any], bound: Bound) -> float | None:
+    """A bound's metric at the capacity point, or at the lowest rate probed when no rate meets."""
+    p = capacity_point(capacity)
+    if p is None:
+        probes = capacity.get("probes") or []
+        p = min(probes, key=lambda q: q["rate_rps"]) if probes else capacity.get("saturation")
+    if not p:
+        return None
+    return (p.get(f"{bound.metric}_ms") or {}).get(bound.stat)
