@@ -197,7 +197,7 @@ def test_batch_cap_bounds_the_sequences_generating_at_once():
 def test_kv_fraction_maps_monotonically_to_kv_blocks():
     """Knob -> effect: a larger KV fraction resolves to more paged-KV blocks in transformers' CB."""
     blocks = []
-    for kv in (0.002, 0.01, 0.04):
+    for kv in (0.01, 0.02, 0.05):
         out = run_bench(TrialConfig(model=MODEL, quant="bf16", batch_cap=2, kv_fraction=kv),
                         options(workload=WorkloadSpec(requests=2, rate=None, concurrency=2, input_len=(16, 16),
                                                       output_len=(2, 2), seed=0)))

@@ -251,10 +251,6 @@ def test_worker_with_another_slo_is_refused(tmp_path, postgres_url, study_slo, w
     worker_with_another_slo(tmp_path, fresh_pg_db(postgres_url, db), study_slo, worker_slo, needle)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known bug, tuner/search.py (owned elsewhere): open_study(join=True) opens a SQLite storage "
-                          "read-only (open_storage(create=False): mode=ro), then optuna.create_study(load_if_exists="
-                          "True) tries an INSERT: every `tuner worker` on SQLite ends in a traceback, exit 1")
 def test_worker_with_another_slo_is_refused_on_sqlite(tmp_path):
     worker_with_another_slo(tmp_path, f"sqlite:///{tmp_path / 'shared.db'}", *SLO_CHANGES[0].values)
 
@@ -292,8 +288,9 @@ def real_workers(tmp_path: Path, storage: str, searches: int, joiners: int, n_tr
 
 
 @pytest.mark.slow
-def test_real_workers_sqlite(tmp_path):
-    real_workers(tmp_path, f"sqlite:///{tmp_path / 'shared.db'}", searches=3, joiners=0, n_trials=4)
+def test_real_workers_sqlite_with_tuner_worker(tmp_path):
+    """Two searches and a `tuner worker` share one SQLite file (the worker writes its trials into it)."""
+    real_workers(tmp_path, f"sqlite:///{tmp_path / 'shared.db'}", searches=2, joiners=1, n_trials=4)
 
 
 @pytest.mark.slow

@@ -227,7 +227,7 @@ def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_tri
     """Create or load the study (call with the storage lock held). `join`: the study must exist already."""
     import optuna
 
-    storage = open_storage(storage_url, create=not join)
+    storage = open_storage(storage_url, create=not join, read_only=False)
     sampler = make_sampler(seed, n_trials)
     if join and name not in optuna.study.get_all_study_names(storage):
         raise TunerError(f"study {name!r} does not exist in {storage_url}: start it with `tuner search --study "

@@ -32,11 +32,11 @@ def check_study_name(name: str) -> str:
     return name
 
 
-def open_storage(url: str, create: bool = True) -> Any:
+def open_storage(url: str, create: bool = True, read_only: bool | None = None) -> Any:
     """An Optuna storage for `url`, checked reachable before anything is written. SQLite files need an existing
     directory; other URLs (postgresql://...) must accept a connection. With `create=False` the storage must exist
     already, and a SQLite file is opened read-only (no tables are ever created in a file that is not a study
-    database). `postgresql://` uses psycopg2 when psycopg (v3, SQLAlchemy 2.1's default driver) is not installed.
+    database) unless `read_only=False` (a worker joining a study writes trials into it). `postgresql://` uses psycopg2 when psycopg (v3, SQLAlchemy 2.1's default driver) is not installed.
     Heartbeats (`TUNER_HEARTBEAT_S`, default 10 s; grace period 3x) let a worker mark the RUNNING trial of a dead
     worker FAIL."""
     import importlib.util
@@ -54,7 +54,7 @@ def open_storage(url: str, create: bool = True) -> Any:
             raise TunerError(f"storage {url!r}: no such database file {str(path)!r}")
         if not path.parent.is_dir():
             raise TunerError(f"storage {url!r}: directory {str(path.parent)!r} does not exist")
-        if not create:
+        if (not create) if read_only is None else read_only:
             target = f"sqlite:///file:{path.resolve()}?mode=ro&uri=true"
     elif url.startswith(("postgresql://", "postgres://")) and importlib.util.find_spec("psycopg") is None \
             and importlib.util.find_spec("psycopg2") is not None:

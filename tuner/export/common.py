@@ -249,6 +249,24 @@ def _pct(m: Mapping[str, Any], key: str, q: str) -> str | None:
     return None
 
 
+def capacity_line(cap: Mapping[str, Any]) -> str:
+    """One line on a measured capacity: the rate, its bracket, the SLO (attainment included) and the verdict."""
+    from tuner.targets import SLO
+
+    try:
+        slo = "; ".join(SLO.from_dict(dict(cap.get("slo") or {})).terms())
+    except Exception:  # an SLO this version cannot read back: say so rather than guess
+        slo = "(SLO not recorded)"
+    bracket = [v for v in (cap.get("requests_per_s_ci") or [])[:2] if isinstance(v, (int, float))]
+    span = f" (bracket {bracket[0]:.3g}-{bracket[1]:.3g})" if len(bracket) == 2 else ""
+    verdict = cap.get("verdict")
+    if verdict == "meets":
+        return f"Capacity: {cap['requests_per_s']:.3g} req/s{span} shown to meet the SLO {slo}."
+    if verdict == "misses":
+        return f"Capacity: none: the SLO {slo} is missed with confidence at every rate probed."
+    return f"Capacity: indeterminate{span}: no rate was shown to meet the SLO {slo}."
+
+
 def measured_lines(ctx: Context) -> list[str]:
     """A few lines summarising what the trial measured (for comments)."""
     src = f"study {ctx.study!r}, trial {ctx.trial}" if ctx.study is not None else "a TrialConfig (no study)"
@@ -256,12 +274,7 @@ def measured_lines(ctx: Context) -> list[str]:
     m = ctx.metrics or {}
     cap = m.get("capacity") if isinstance(m.get("capacity"), Mapping) else None
     if cap and isinstance(cap.get("requests_per_s"), (int, float)):
-        lo, hi = (cap.get("requests_per_s_ci") or [None, None])[:2]
-        slo = cap.get("slo") or {}
-        terms = list(slo.get("bounds") or []) + [f"{k.removesuffix('_ms')}<{v:g}ms"
-                                                  for k, v in (slo.get("targets_ms") or {}).items()]
-        lines.append(f"Capacity: {cap['requests_per_s']:.3g} req/s [{lo}, {hi}] within the SLO {'; '.join(terms)} "
-                     f"({cap.get('verdict')}).")
+        lines.append(capacity_line(cap))
     if m:
         parts = []
         for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")):
