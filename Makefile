@@ -22,11 +22,13 @@ $(STAMP): pyproject.toml constraints.txt
 	scripts/system_deps.sh chromium postgresql
 	touch $(STAMP)
 
-# The main job: a real search on the bundled SmolLM2-135M, about 10 minutes on a 2-core CPU (10 trials, no new trial after 9 min).
+# The main job: a real capacity search on the bundled SmolLM2-135M, sized for about 10 minutes on a 2-core CPU
+# (each trial: warm-up, saturation probe, up to 3 rate probes of 16-32 requests; no new trial after 9 min).
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/tuner search --model smollm2-135m --latency-target 5s \
-		--latency-metric ttft:p99 --max-quality-drop 2.0 --quality-tasks arc_easy,piqa --quality-limit 20 \
-		--requests 12 --trials 10 --timeout 9m --cost-per-hour 0.10 --study demo-smollm2
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/tuner search --model smollm2-135m \
+		--slo "ttft<5s;tpot<250ms" --attainment 0.8 --probe-requests 16:32 --max-probes 3 --capacity-timeout 80s \
+		--max-quality-drop 5 --quality-tasks arc_easy,piqa --quality-limit 20 \
+		--trials 8 --timeout 9m --cost-per-hour 0.10 --study demo-smollm2
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -ra tests

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tuner.metrics import RequestResult, compute_metrics
+from tuner.metrics import RequestResult, compute_metrics, meets_slo
 from tuner.stats import (
     INDETERMINATE,
     MEETS,
@@ -97,16 +97,6 @@ def request_values(results: Sequence[RequestResult], metric: str) -> list[float]
     return out
 
 
-def meets_targets(r: RequestResult, targets: dict[str, float]) -> bool:
-    if not r.ok:
-        return False
-    for key, limit in targets.items():
-        v = r.tpot_ms if key == "tpot_ms" else getattr(r, key)
-        if v is not None and v > limit:
-            return False
-    return True
-
-
 def judge(results: Sequence[RequestResult], slo: SLO) -> dict[str, Any]:
     """Verdict of one probe's (steady-state) requests against every SLO term."""
     terms: dict[str, Any] = {}
@@ -117,7 +107,7 @@ def judge(results: Sequence[RequestResult], slo: SLO) -> dict[str, Any]:
         verdicts.append(v)
     out: dict[str, Any] = {"terms": terms, "attainment": None, "attainment_ci": None}
     if slo.targets_ms:
-        good = sum(meets_targets(r, slo.targets) for r in results)
+        good = sum(meets_slo(r, slo.targets) for r in results)
         n = len(results)
         v = attainment_verdict(good, n, slo.attainment, slo.confidence)
         lo, hi = proportion_bounds(good, n, slo.confidence)
@@ -145,7 +135,7 @@ def certain_miss(slo: SLO, ramp: int) -> Callable[[list[RequestResult], int], st
         missed = [str(b) for b in bounds
                   if bound_verdict(request_values(padded, b.metric), b.stat, b.limit_ms, slo.confidence) == MISSES]
         if slo.targets_ms:
-            good = sum(meets_targets(r, slo.targets) for r in padded)
+            good = sum(meets_slo(r, slo.targets) for r in padded)
             if attainment_verdict(good, len(padded), slo.attainment, slo.confidence) == MISSES:
                 missed.append(f"attainment>={slo.attainment:g}")
         if missed:
