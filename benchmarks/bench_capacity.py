@@ -24,7 +24,23 @@ MODEL = "smollm2-135m"
 DEFAULT = ("fp32", 1, 0.01, "none")
 
 
+def machine_gflops() -> float:
+    """This machine's speed right now: median GFLOP/s of 1024^2 fp32 matmuls over ~1 s (a shared 2-core VM drifts;
+    printed next to each capacity so a drift of the machine is told apart from one of the measure)."""
+    import torch
+
+    x = torch.randn(1024, 1024)
+    rates = []
+    for _ in range(7):
+        t = time.perf_counter()
+        for _ in range(8):
+            x @ x
+        rates.append(8 * 2 * 1024**3 / (time.perf_counter() - t) / 1e9)
+    return statistics.median(rates)
+
+
 def measure(cfg: tuple, args: argparse.Namespace) -> dict:
+    gflops = machine_gflops()
     quant, cap, kv, draft = cfg
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "cap.json"
@@ -37,12 +53,13 @@ def measure(cfg: tuple, args: argparse.Namespace) -> dict:
                                "--no-bandwidth", "--quiet", "--json", str(out)], capture_output=True, text=True)
         wall = time.perf_counter() - t
         if proc.returncode != 0 or not out.is_file():
-            return {"config": cfg, "error": (proc.stderr.strip().splitlines() or ["?"])[-1], "wall_s": wall}
+            return {"config": cfg, "error": (proc.stderr.strip().splitlines() or ["?"])[-1], "wall_s": wall,
+                    "gflops": gflops}
         cap_ = json.loads(out.read_text())["metrics"]["capacity"]
     return {"config": cfg, "requests_per_s": cap_["requests_per_s"], "ci": cap_["requests_per_s_ci"],
             "verdict": cap_["verdict"], "output_tokens_per_s": cap_["output_tokens_per_s"],
             "saturation_rps": cap_["saturation"]["requests_per_s"], "probes": len(cap_["probes"]),
-            "requests": cap_["cost"]["requests"], "wall_s": wall, "notes": cap_["notes"]}
+            "requests": cap_["cost"]["requests"], "wall_s": wall, "notes": cap_["notes"], "gflops": gflops}
 
 
 def show(r: dict) -> str:
@@ -52,7 +69,28 @@ def show(r: dict) -> str:
         return f"  {name:<36} ERROR {r['error']}"
     lo, hi = r["ci"]
     return (f"  {name:<36} {r['requests_per_s']:.3f} req/s [{lo:.3f}, {hi:.3f}] {r['verdict']:<13} "
-            f"sat {r['saturation_rps']:.3f}  {r['probes']} probes, {r['requests']} req, {r['wall_s']:.0f} s")
+            f"sat {r['saturation_rps']:.3f}  {r['probes']} probes, {r['requests']} req, {r['wall_s']:.0f} s; "
+            f"machine {r['gflops']:.0f} GFLOP/s before")
+
+
+def report_gain(runs: list[dict], base: dict) -> dict:
+    """The gain with its bounds from the two capacity intervals: [chosen low / default high, chosen high / default
+    low]. The goal is decided when the lower bound clears it (a default with no capacity has an infinite upper)."""
+    ok = [r for r in runs if "error" not in r]
+    med = statistics.median(r["requests_per_s"] for r in ok)
+    lo_c = min(r["ci"][0] for r in ok)  # the most pessimistic of the repeats
+    hi_c = max(r["ci"][1] for r in ok)
+    b, (lo_b, hi_b) = base["requests_per_s"], base["ci"]
+    point = med / b if b else None
+    lower = lo_c / hi_b if hi_b else None
+    upper = hi_c / lo_b if lo_b else None
+    fmt = lambda v: "inf" if v is None else f"{v:.1f}x"  # noqa: E731
+    verdict = "meets" if lower is not None and lower >= 5 else "misses" if upper is not None and upper < 5 else \
+        "indeterminate"
+    print(f"(a) gain: chosen {med:.3f} req/s (median; lowest bound {lo_c:.3f}) vs default {b:.3f} req/s "
+          f"[{lo_b:.3f}, {hi_b:.3f}]: point {fmt(point)}, bounds [{fmt(lower)}, {fmt(upper)}] -> goal >= 5x "
+          f"{verdict}")
+    return {"point": point, "lower": lower, "upper": upper, "verdict": verdict}
 
 
 def main() -> int:
@@ -66,6 +104,7 @@ def main() -> int:
     p.add_argument("--max-probes", type=int, default=4)
     p.add_argument("--capacity-timeout", default="10m")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-default", action="store_true", help="repeatability only")
     p.add_argument("--json")
     args = p.parse_args()
     q, cap, kv, draft = args.config.split(",")
@@ -77,18 +116,13 @@ def main() -> int:
     for i in range(args.repeat):  # interleaved: chosen, default, chosen, ...
         runs.append(measure(chosen, args))
         print(show(runs[-1]), flush=True)
-        if i == 0:
+        if i == 0 and not args.skip_default:
             base.append(measure(DEFAULT, args))
             print(show(base[-1]), flush=True)
     ok = [r["requests_per_s"] for r in runs if "error" not in r]
     out: dict = {"slo": args.slo, "chosen": runs, "default": base}
     if ok and base and "error" not in base[0]:
-        med = statistics.median(ok)
-        b = base[0]["requests_per_s"]
-        gain = med / b if b else None
-        out["gain"] = gain
-        print(f"(a) gain: {med:.3f} / {b:.3f} req/s = " + (f"{gain:.2f}x (goal >= 5x)" if gain else
-                                                           "undefined: the default meets the SLO at no rate probed"))
+        out["gain"] = report_gain(runs, base[0])
     if len(ok) >= 2:
         med = statistics.median(ok)
         spread = [100 * (x - med) / med for x in ok] if med else []

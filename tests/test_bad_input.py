@@ -65,7 +65,7 @@ CASES = [
     pytest.param([*S[:1], "--model", "notgguf.gguf", "--latency-target", "1s", "--results-dir", "res"],
                  "'notgguf.gguf' is not a GGUF file", id="search-not-gguf"),
     # knobs and numbers out of range
-    pytest.param([*B, "--quant", "int3"], "unknown quantization format 'int3': expected one of", id="bench-quant"),
+    pytest.param([*B, "--quant", "int3"], "unknown quantization format 'int3' for engine transformers: expected one of", id="bench-quant"),
     pytest.param([*B, "--kv-fraction", "1.5"], "KV fraction 1.5 is invalid: expected a number in (0, 1]",
                  id="bench-kv-fraction"),
     pytest.param([*B, "--batch-cap", "0"], "batch cap 0 is invalid: expected an integer >= 1", id="bench-batch-cap"),
@@ -140,7 +140,8 @@ CASES = [
                  id="search-space-missing"),
     pytest.param([*S, "--latency-target", "1s", "--space", "badcap.yaml"], "'badcap.yaml': capacity.nope: unknown key",
                  id="search-space-capacity-key"),
-    pytest.param([*S, "--latency-target", "1s", "--space", "smallprobe.yaml"], "2:3 is invalid",
+    pytest.param([*S, "--latency-target", "1s", "--space", "smallprobe.yaml"],
+                 "'smallprobe.yaml': capacity.probe_requests 2:3 is invalid",
                  id="search-space-capacity-value"),
     # storage URLs and study names
     pytest.param([*S, "--latency-target", "1s", "--storage", "not a url"], "storage 'not a url' is invalid",

@@ -487,3 +487,36 @@ def test_registries_agree() -> None:
     assert tuple(TARGETS) == TARGET_NAMES
     for table in (UPSTREAM_REPO, ALIAS_GGUF, ALIAS_PARAMS, ALIAS_FAMILY):
         assert set(table) == set(ALIASES)
+
+
+def test_a_draft_with_another_vocabulary_is_not_emitted_where_the_server_would_refuse_to_start():
+    """llama.cpp (common/speculative.cpp) and SGLang (standalone_worker_v2.py) refuse a draft whose vocabulary
+    differs at start-up: no draft flags there; vLLM 0.27.1 bridges them with use_heterogeneous_vocab."""
+    c = CASES["gptq-draft4"]  # gemma3-270m target, smollm2-135m draft
+    assert "-md" not in do_export("llamacpp", c).argv and "--spec-type" not in do_export("llamacpp", c).argv
+    assert "--speculative-algorithm" not in do_export("sglang", c).argv
+    spec = json.loads(do_export("vllm", c).argv[do_export("vllm", c).argv.index("--speculative-config") + 1])
+    assert spec["use_heterogeneous_vocab"] is True
+    same = CASES["int4wo-draft2"]  # gemma3 draft for gemma3: nothing refused, no bridge
+    assert "-md" in do_export("llamacpp", same).argv
+    spec = json.loads(do_export("vllm", same).argv[do_export("vllm", same).argv.index("--speculative-config") + 1])
+    assert "use_heterogeneous_vocab" not in spec
+
+
+def test_sglang_draft_of_a_quantized_target_stays_unquantized():
+    c = TrialConfig("gemma3-270m", "bnb-nf4", 4, 0.2, "draft:gemma3-270m:3", "cuda")
+    argv = do_export("sglang", c).argv
+    assert argv[argv.index("--speculative-draft-model-quantization") + 1] == "unquant"
+    plain = TrialConfig("gemma3-270m", "bf16", 4, 0.2, "draft:gemma3-270m:3", "cuda")
+    assert "--speculative-draft-model-quantization" not in do_export("sglang", plain).argv
+
+
+def test_tgi_memory_fraction_undoes_its_safety_factor():
+    """TGI serves cuda_memory_fraction x 0.90: the flag is the intended share / 0.90, rounded up."""
+    from tuner.export.common import ACTIVATION_HEADROOM, memory_fraction
+
+    c = CASES["bf16-none"]
+    share, _ = memory_fraction(c, Context(), ACTIVATION_HEADROOM)
+    argv = do_export("tgi", c).argv
+    flag = float(argv[argv.index("--cuda-memory-fraction") + 1])
+    assert flag * 0.90 >= share and (flag - 0.01) * 0.90 < share

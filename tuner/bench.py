@@ -32,16 +32,18 @@ class BenchOptions:
     verify_draft: int = 2  # requests re-generated without the draft to check greedy outputs match
     measure_bandwidth: bool = True
     progress: bool = True
+    log_path: Any = None  # a server engine's log (its last lines become the failure reason)
     keep_requests: bool = True  # per-request results in the output (latency distributions)
     capacity: Any = None  # tuner.capacity.CapacityOptions: measure capacity instead of one fixed load
 
 
 class PeakMemory:
-    """Samples the process RSS and, on CUDA, the device memory in use (total - free as the driver reports it, so
-    memory held outside PyTorch's allocator counts too) while a block runs."""
+    """Samples the RSS of the process serving (the tuner's own, plus a server engine's process tree) and, on CUDA,
+    the device memory in use (total - free as the driver reports it, so memory held outside PyTorch's allocator
+    counts too) while a block runs."""
 
-    def __init__(self, device: str, interval_s: float = 0.02) -> None:
-        self.device, self.interval_s = device, interval_s
+    def __init__(self, device: str, engine: Any = None, interval_s: float = 0.02) -> None:
+        self.device, self.engine, self.interval_s = device, engine, interval_s
         self.peak_rss = 0
         self.peak_device = 0
         self._stop = threading.Event()
@@ -60,9 +62,19 @@ class PeakMemory:
                 free, total = torch.cuda.mem_get_info()
                 return total - free
 
+        def rss() -> int:
+            total = proc.memory_info().rss
+            for pid in self.engine.server_pids() if self.engine is not None else []:
+                try:
+                    server = psutil.Process(pid)
+                    total += sum(p.memory_info().rss for p in [server, *server.children(recursive=True)])
+                except psutil.Error:  # the server exited between two samples
+                    pass
+            return total
+
         def sample() -> None:
             while not self._stop.is_set():
-                self.peak_rss = max(self.peak_rss, proc.memory_info().rss)
+                self.peak_rss = max(self.peak_rss, rss())
                 if device_used is not None:
                     self.peak_device = max(self.peak_device, device_used())
                 self._stop.wait(self.interval_s)
@@ -115,6 +127,24 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
+def open_engine(config: TrialConfig, ignore_eos: bool, log_path: Any = None) -> tuple[Any, Any, Any]:
+    """The engine for `config`, ready to start, with the tokenizer the workload needs: (engine, model, tokenizer).
+    In-process engines load the model here (`model` is returned for the draft-output check and the roofline);
+    a server engine prepares its files and argv, and `model` is None."""
+    if config.engine == "llamacpp":
+        from tuner.engines import engine_for, get_engine_class
+        from tuner.models import checkpoint_dir
+        from tuner.quantize import load_tokenizer
+
+        engine = get_engine_class(engine_for(config))(config, ignore_eos=ignore_eos, log_path=log_path)
+        engine.prepare()
+        return engine, None, load_tokenizer(checkpoint_dir(config.model))
+    from tuner.quantize import load_model
+
+    model, tokenizer = load_model(config)
+    return make_engine(model, tokenizer, config, ignore_eos), model, tokenizer
+
+
 def make_engine(model: Any, tokenizer: Any, config: TrialConfig, ignore_eos: bool) -> Any:
     from tuner.engines import engine_for, get_engine_class
 
@@ -154,20 +184,20 @@ def run_bench(
 ) -> dict[str, Any]:
     """Measure `config` under `options.workload`. See module docstring for the failure contract."""
     from tuner.loadgen import run_load
-    from tuner.quantize import load_model, unsupported_reason
+    from tuner.quantize import unsupported_reason
 
     options = options or BenchOptions()
-    device = resolve_device(config.device)
+    device = "cpu" if config.engine == "llamacpp" else resolve_device(config.device)
     out: dict[str, Any] = {"config": config.to_dict(), "workload": options.workload.to_dict(), "status": "ok",
                            "reason": None, "metrics": None}
-    reason = unsupported_reason(config.quant, device)
+    reason = unsupported_reason(config.quant, device) if config.engine == "transformers" else None
     if reason:
         out.update(status="unsupported", reason=f"format {config.quant!r} is unsupported on {device}: {reason}")
         return out
     out["environment"] = environment(device)
     t = time.perf_counter()
     try:
-        model, tokenizer = load_model(config)
+        engine, model, tokenizer = open_engine(config, options.ignore_eos, options.log_path)
     except UnsupportedConfig as e:
         out.update(status="unsupported", reason=str(e))
         return out
@@ -187,7 +217,6 @@ def run_bench(
     else:
         pool = build_workload(replace(spec, requests=spec.requests + warm_n), tokenizer)
         requests, warmup = pool[: spec.requests], pool[spec.requests:]
-    engine = make_engine(model, tokenizer, config, options.ignore_eos)
     caps = engine.capabilities()
     out["engine"] = {"name": caps.name, "settings": caps.settings, "notes": list(caps.notes),
                      "versions": out["environment"]["versions"], "device": device}
@@ -195,10 +224,11 @@ def run_bench(
     def serve(reqs: list[Any], concurrency: int | None, timeout_s: float, should_stop: Any = None) -> Any:
         return run_load(engine, reqs, concurrency, timeout_s, should_stop, options.progress)
 
-    with PeakMemory(device) as mem:
+    with PeakMemory(device, engine) as mem:
         load_done = False
         try:
             engine.start()
+            out["engine"]["info"] = engine.info()
             if options.capacity is not None:
                 from tuner.capacity import CapacitySearch
 
@@ -208,13 +238,17 @@ def run_bench(
             else:
                 out["warmup"] = warm_up(serve, warmup, config.batch_cap)
                 load = serve(requests, options.workload.concurrency, options.timeout_s, should_stop)
+                timings = engine.request_timings()
+                if timings:
+                    out["engine"]["harness_check"] = harness_check(load.results, timings)
             load_done = True
             out["engine"]["info"] = engine.info()
         except Exception as e:
             out.update(status="failed", reason=f"engine failed: {one_line(e)}")
             return out
         finally:
-            engine.stop(drain=not (load_done and load is not None and load.stopped_reason))
+            # drain only a run that ended normally; an error or Ctrl-C abandons what is in flight
+            engine.stop(drain=load_done and not (load is not None and load.stopped_reason))
     if load is None and config.draft != "none":
         try:
             capacity["draft_effect"] = draft_effect(model, tokenizer, config, options, requests, capacity)
@@ -240,10 +274,11 @@ def run_bench(
         from tuner.roofline import measure_bandwidth_gbs
 
         bandwidth = measure_bandwidth_gbs(device=device)
-    from tuner.roofline import roofline
+    from tuner.roofline import bytes_per_token, roofline
 
-    metrics["roofline"] = roofline(model, metrics["decode_tokens_per_s_per_seq"], bandwidth)
-    if load is not None and config.draft != "none" and options.verify_draft:
+    weights = engine.weights_bytes() if model is None else bytes_per_token(model)
+    metrics["roofline"] = roofline(weights, metrics["decode_tokens_per_s_per_seq"], bandwidth)
+    if load is not None and config.draft != "none" and options.verify_draft and model is not None:
         metrics.update(check_draft_outputs(engine, model, requests, load.token_ids, options.verify_draft))
     out["metrics"] = metrics
     if load is None:
@@ -264,10 +299,16 @@ def draft_effect(model: Any, tokenizer: Any, config: TrialConfig, options: Bench
     """A draft's effect, measured fairly: the saturation throughput of the same assisted-generation engine (same
     weights, same number of batch-1 decoders, same prompts) without the draft, next to the draft run's own."""
     from tuner.capacity import CapacitySearch
-    from tuner.engines.assisted import AssistedEngine
     from tuner.loadgen import run_load
 
-    ref = AssistedEngine(model, tokenizer, config.replace(draft="none"), ignore_eos=options.ignore_eos)
+    if config.engine == "llamacpp":
+        from tuner.engines.llamacpp import LlamaCppEngine
+
+        ref: Any = LlamaCppEngine(config.replace(draft="none"), ignore_eos=options.ignore_eos)
+    else:
+        from tuner.engines.assisted import AssistedEngine
+
+        ref = AssistedEngine(model, tokenizer, config.replace(draft="none"), ignore_eos=options.ignore_eos)
     ref.start()
     try:
         search = CapacitySearch(lambda reqs, concurrency, timeout_s, should_stop=None:
@@ -278,11 +319,31 @@ def draft_effect(model: Any, tokenizer: Any, config: TrialConfig, options: Bench
     finally:
         ref.stop(drain=False)
     with_draft = capacity["saturation"]["requests_per_s"]
-    return {"engine": "transformers-assisted", "reference": "same engine, draft none",
+    return {"engine": ref.capabilities().name, "reference": "same engine, draft none",
             "with_draft_rps": with_draft, "without_draft_rps": sat["requests_per_s"],
             "with_draft_tokens_per_s": capacity["saturation"]["output_tokens_per_s"],
             "without_draft_tokens_per_s": sat["output_tokens_per_s"],
             "speedup": with_draft / sat["requests_per_s"] if sat["requests_per_s"] else None, "n": sat["n"]}
+
+
+def harness_check(results: list[RequestResult], timings: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The client's figures against the server's own per request (llama.cpp `timings`): TTFT minus the server's
+    prompt time (= queueing in the server + HTTP + harness), and the client's TPOT minus the server's time per
+    generated token. Medians over the completed requests, with n."""
+    import statistics
+
+    ttft_gap, tpot_gap = [], []
+    for r in results:
+        t = timings.get(f"r{r.index}") or {}
+        if not r.ok or r.ttft_ms is None or t.get("prompt_ms") is None:
+            continue
+        ttft_gap.append(r.ttft_ms - (r.dispatch_lag_ms or 0.0) - t["prompt_ms"])
+        if r.tpot_ms is not None and t.get("predicted_per_token_ms") is not None:
+            tpot_gap.append(r.tpot_ms - t["predicted_per_token_ms"])
+    med = statistics.median
+    return {"n": len(ttft_gap), "ttft_minus_server_prompt_ms_p50": med(ttft_gap) if ttft_gap else None,
+            "tpot_minus_server_per_token_ms_p50": med(tpot_gap) if tpot_gap else None,
+            "note": "server timings exclude its queue: at concurrency <= slots the TTFT gap is HTTP + harness"}
 
 
 def warm_up(serve: Callable[..., Any], requests: list[Any], batch_cap: int) -> dict[str, Any]:

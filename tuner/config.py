@@ -23,6 +23,19 @@ FORMATS: dict[str, str] = {
     "gptq-int4": "GPTQ 4-bit through GPTQModel (calibrated on local text)",
 }
 DEVICES = ("auto", "cpu", "cuda")
+# Serving engines a config can be measured on. transformers: in-process (continuous batching / assisted
+# generation); llamacpp: a real `llama-server` launched with the llama.cpp exporter's argv.
+ENGINE_NAMES = ("transformers", "llamacpp")
+# llama.cpp weight types (`llama-quantize` type names), used as `quant` when engine is llamacpp.
+GGUF_TYPES: dict[str, str] = {
+    "F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "8-bit, blocks of 32",
+    "Q6_K": "6-bit k-quant", "Q5_K_M": "5-bit k-quant (mixed)", "Q5_0": "5-bit, blocks of 32",
+    "Q4_K_M": "4-bit k-quant (mixed)", "Q4_0": "4-bit, blocks of 32", "Q4_1": "4-bit with min, blocks of 32",
+    "IQ4_NL": "4-bit non-linear codebook, blocks of 32",
+}
+# KV-cache element types: `auto` is the engine's default for the compute dtype; llama.cpp accepts -ctk/-ctv types.
+KV_TYPES: dict[str, tuple[str, ...]] = {"transformers": ("auto",),
+                                        "llamacpp": ("auto", "f32", "f16", "bf16", "q8_0", "q4_0")}
 _DRAFT_RE = {
     "none": re.compile(r"^none$"),
     "ngram": re.compile(r"^ngram:(\d+)$"),
@@ -86,12 +99,21 @@ class TrialConfig:
     kv_fraction: float = 0.05  # fraction of free device memory the KV cache may take, (0, 1]
     draft: str = "none"
     device: str = "auto"
+    engine: str = "transformers"
+    kv_type: str = "auto"  # KV-cache element type (llamacpp: -ctk/-ctv); auto = the engine's default
 
     def __post_init__(self) -> None:
         if not self.model:
             raise TunerError("model is empty: give an alias (see `tuner models`), a checkpoint directory or a .gguf file")
-        if self.quant not in FORMATS:
-            raise TunerError(f"unknown quantization format {self.quant!r}: expected one of {', '.join(FORMATS)}")
+        if self.engine not in ENGINE_NAMES:
+            raise TunerError(f"unknown engine {self.engine!r}: expected one of {', '.join(ENGINE_NAMES)}")
+        formats = GGUF_TYPES if self.engine == "llamacpp" else FORMATS
+        if self.quant not in formats:
+            raise TunerError(f"unknown quantization format {self.quant!r} for engine {self.engine}: expected one of "
+                             f"{', '.join(formats)}")
+        if self.kv_type not in KV_TYPES[self.engine]:
+            raise TunerError(f"KV type {self.kv_type!r} is not accepted by engine {self.engine}: expected one of "
+                             f"{', '.join(KV_TYPES[self.engine])}")
         if isinstance(self.batch_cap, bool) or not isinstance(self.batch_cap, int) or self.batch_cap <= 0:
             raise TunerError(f"batch cap {self.batch_cap!r} is invalid: expected an integer >= 1")
         if not isinstance(self.kv_fraction, (int, float)) or not 0.0 < float(self.kv_fraction) <= 1.0:
@@ -100,6 +122,14 @@ class TrialConfig:
             raise TunerError(f"unknown device {self.device!r}: expected one of {', '.join(DEVICES)}")
         object.__setattr__(self, "kv_fraction", float(self.kv_fraction))
         object.__setattr__(self, "draft", str(parse_draft(self.draft)))
+        if self.engine == "llamacpp":
+            kind = self.draft_spec.kind
+            if kind == "early-exit":
+                raise TunerError(f"draft {self.draft!r} is not served by llama.cpp (no layer-skip self-speculation):"
+                                 " expected none, ngram:K or draft:<model>:K")
+            if self.device == "cuda":
+                raise TunerError("engine llamacpp on device cuda: this build of llama-server is CPU-only; expected "
+                                 "--device cpu or auto")
 
     @property
     def draft_spec(self) -> Draft:

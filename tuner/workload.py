@@ -82,6 +82,8 @@ def arrival_times(n: int, rate: float, kind: str, seed: int) -> list[float]:
     The gaps come from their own random stream (seeded apart from the prompts), drawn at unit rate and scaled by
     1/rate: with one seed, every rate and every arrival mode serves the same prompts, and the arrival pattern at
     rate 2r is the one at rate r compressed (common random numbers across a rate sweep)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"arrival seed must be an int, got {type(seed).__name__}")  # a Random would seed by repr
     rng = random.Random(f"arrivals-{seed}")
     t, out = 0.0, []
     for _ in range(n):

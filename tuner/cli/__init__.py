@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tuner.cli.bench", "measure one serving configuration under load"),
     "models": ("tuner.cli.models", "list the models tuner can load"),
+    "engines": ("tuner.cli.engines", "list the serving engines and whether each can run here"),
     "eval": ("tuner.cli.eval", "score a configuration's quality with lm-eval"),
     "search": ("tuner.cli.search", "search the four knobs with Optuna under a latency target"),
     "worker": ("tuner.cli.worker", "join an existing search study as one more worker"),

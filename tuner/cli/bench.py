@@ -84,26 +84,31 @@ def recorded_slo(path: str | None) -> Any:
 CAPACITY_DEFAULTS = {"probe_requests": "30:120", "max_probes": 5, "timeout": "10m", "saturation_requests": None}
 
 
-def capacity_settings(args: argparse.Namespace, base: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Flags, else `base` (a space file's `capacity:` section), else the defaults; validated."""
+def capacity_settings(args: argparse.Namespace, base: dict[str, Any] | None = None,
+                      base_name: str = "space file capacity") -> dict[str, Any]:
+    """Flags, else `base` (a space file's `capacity:` section), else the defaults; validated. An error names where
+    the bad value came from: the flag, or the space file's key."""
     from tuner.targets import parse_duration_s
     from tuner.workload import parse_range
 
     s = {**CAPACITY_DEFAULTS, **(base or {})}
-    for key, flag in (("probe_requests", "probe_requests"), ("max_probes", "max_probes"),
-                      ("timeout", "capacity_timeout"), ("saturation_requests", "saturation_requests")):
-        if getattr(args, flag, None) is not None:
-            s[key] = getattr(args, flag)
-    probe = parse_range(str(s["probe_requests"]), "--probe-requests")
+    flags = {"probe_requests": "--probe-requests", "max_probes": "--max-probes", "timeout": "--capacity-timeout",
+             "saturation_requests": "--saturation-requests"}
+    where = {k: f"{base_name}.{k}" if k in (base or {}) else flag for k, flag in flags.items()}
+    for key, flag in flags.items():
+        attr = "capacity_timeout" if key == "timeout" else key
+        if getattr(args, attr, None) is not None:
+            s[key], where[key] = getattr(args, attr), flag
+    probe = parse_range(str(s["probe_requests"]), where["probe_requests"])
     if probe[0] < 4:
-        raise TunerError(f"--probe-requests {s['probe_requests']} is invalid: expected A:B with 4 <= A <= B")
-    if not isinstance(s["max_probes"], int) or s["max_probes"] < 1:
-        raise TunerError(f"--max-probes {s['max_probes']} is invalid: expected an integer >= 1")
+        raise TunerError(f"{where['probe_requests']} {s['probe_requests']} is invalid: expected A:B with 4 <= A <= B")
+    if isinstance(s["max_probes"], bool) or not isinstance(s["max_probes"], int) or s["max_probes"] < 1:
+        raise TunerError(f"{where['max_probes']} {s['max_probes']} is invalid: expected an integer >= 1")
     sat = s["saturation_requests"]
-    if sat is not None and (not isinstance(sat, int) or sat < 4):
-        raise TunerError(f"--saturation-requests {sat} is invalid: expected an integer >= 4")
+    if sat is not None and (isinstance(sat, bool) or not isinstance(sat, int) or sat < 4):
+        raise TunerError(f"{where['saturation_requests']} {sat} is invalid: expected an integer >= 4")
     return {"probe_requests": probe, "max_probes": s["max_probes"],
-            "timeout_s": parse_duration_s(str(s["timeout"]), "--capacity-timeout"), "saturation_requests": sat}
+            "timeout_s": parse_duration_s(str(s["timeout"]), where["timeout"]), "saturation_requests": sat}
 
 
 def capacity_options(args: argparse.Namespace, slo: Any, seed: int, arrival: str) -> Any:
@@ -156,6 +161,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.latency_target or args.slo or args.attainment is not None:
         raise TunerError("--latency-target/--slo/--attainment need --capacity: expected --capacity, or --goodput "
                          "for a per-request SLO at one fixed load")
+    if args.quiet:  # transformers' own "Loading weights" bar too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     opts = BenchOptions(workload=spec, slo_ms=slo, timeout_s=args.timeout, ignore_eos=not args.respect_eos,
                         measure_bandwidth=not args.no_bandwidth, progress=not args.quiet, capacity=capacity)
     result = run_bench(config, opts, should_stop)
@@ -225,12 +234,19 @@ def format_capacity(c: dict[str, Any]) -> list[str]:
 
 def format_report(result: dict[str, Any]) -> str:
     c = result["config"]
-    lines = [f"config: model={c['model']} quant={c['quant']} batch_cap={c['batch_cap']} "
-             f"kv_fraction={c['kv_fraction']} draft={c['draft']} device={c['device']}"]
+    lines = [f"config: model={c['model']} engine={c.get('engine', 'transformers')} quant={c['quant']} "
+             f"batch_cap={c['batch_cap']} kv_fraction={c['kv_fraction']} kv_type={c.get('kv_type', 'auto')} "
+             f"draft={c['draft']} device={c['device']}"]
     if result.get("engine"):
         e = result["engine"]
-        lines.append(f"engine: {e['name']} on {e['device']} "
-                     f"(transformers {e['versions'].get('transformers')}, torch {e['versions'].get('torch')})")
+        info = e.get("info") or {}
+        if info.get("build"):
+            start = info.get("startup_s")
+            lines.append(f"engine: {e['name']} ({info['build']}) on {e['device']}, started in "
+                         f"{_fmt(start, 1)} s: {' '.join(info.get('argv') or [])}")
+        else:
+            lines.append(f"engine: {e['name']} on {e['device']} "
+                         f"(transformers {e['versions'].get('transformers')}, torch {e['versions'].get('torch')})")
     if result["status"] != "ok":
         lines.append(f"status: {result['status'].upper()}: {result['reason']}")
     m = result.get("metrics")

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tuner.config import FORMATS, TrialConfig
+from tuner.config import ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES, TrialConfig
 from tuner.errors import TunerError
 from tuner.workload import WorkloadSpec, parse_range
 
@@ -17,7 +17,10 @@ from tuner.workload import WorkloadSpec, parse_range
 def add_config_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
     g = p.add_argument_group("configuration (the four knobs)")
     g.add_argument("--model", required=model_required, help="alias (see `tuner models`), checkpoint dir or .gguf")
-    g.add_argument("--quant", metavar="FORMAT", help=f"one of: {', '.join(FORMATS)} (default bf16)")
+    g.add_argument("--engine", help=f"serving engine: {' | '.join(ENGINE_NAMES)} (default transformers)")
+    g.add_argument("--quant", metavar="FORMAT", help=f"transformers: {', '.join(FORMATS)} (default bf16); llamacpp: "
+                                                     f"{', '.join(GGUF_TYPES)} (default F16)")
+    g.add_argument("--kv-type", help=f"KV-cache type, llamacpp: {', '.join(KV_TYPES['llamacpp'])} (default auto)")
     g.add_argument("--batch-cap", type=int, help="max concurrently running sequences (default 1)")
     g.add_argument("--kv-fraction", type=float,
                    help="fraction of free memory the KV cache may take, in (0, 1] (default 0.05)")
@@ -59,6 +62,9 @@ def recorded_workload(path: str | None) -> dict[str, Any]:
     return {k: v for k, v in w.items() if k in WORKLOAD_DEFAULTS} if isinstance(w, dict) else {}
 
 
+CONFIG_FLAGS = ("model", "engine", "quant", "batch_cap", "kv_fraction", "kv_type", "draft", "device")
+
+
 def config_from_args(args: argparse.Namespace) -> TrialConfig:
     """Build and validate the TrialConfig (cheap checks, including that the model source exists)."""
     from tuner.models import resolve_source
@@ -72,15 +78,15 @@ def config_from_args(args: argparse.Namespace) -> TrialConfig:
             config = TrialConfig.from_json(text)
         except TunerError as e:
             raise TunerError(f"--config {args.config!r}: {e}: expected a TrialConfig, bench or export JSON") from None
-        given = {k: getattr(args, k) for k in ("model", "quant", "batch_cap", "kv_fraction", "draft", "device")
-                 if getattr(args, k) is not None}
+        given = {k: getattr(args, k) for k in CONFIG_FLAGS if getattr(args, k, None) is not None}
         if given:
             config = config.replace(**given)  # explicit flags override the file, validated
     else:
         if not args.model:
             raise TunerError("--model is required (an alias, a checkpoint directory or a .gguf file) unless --config")
-        knobs = {k: getattr(args, k) for k in ("quant", "batch_cap", "kv_fraction", "draft", "device")
-                 if getattr(args, k) is not None}
+        knobs = {k: getattr(args, k) for k in CONFIG_FLAGS[1:] if getattr(args, k, None) is not None}
+        if knobs.get("engine") == "llamacpp" and "quant" not in knobs:
+            knobs["quant"] = "F16"  # llama.cpp's own type names; the unquantized half-precision GGUF by default
         config = TrialConfig(model=args.model, **knobs)
     resolve_source(config.model)
     if config.draft_spec.kind == "draft":

@@ -61,8 +61,14 @@ def run(args: argparse.Namespace) -> int:
         if args.trial is not None or args.best:
             raise TunerError("--trial/--best select a trial of --study; they do not apply to --config")
         config, ctx_kw = _from_file(args.config, TrialConfig)
-    ctx = Context(paths=locate(config, args.model_path), gpu_memory_gib=args.gpu_memory_gib,
-                  params=checkpoint_params(config.model), **ctx_kw)
+    paths = locate(config, args.model_path)
+    settings = (ctx_kw.get("engine") or {}).get("settings") or {}
+    if config.engine == "llamacpp":  # what the measurement resolved and served, so the export is that argv
+        ctx_kw["ctx_tokens"] = settings.get("ctx_tokens")
+        if settings.get("gguf") and Path(settings["gguf"]).is_file() and not args.model_path:
+            paths["served_gguf"] = settings["gguf"]
+    ctx = Context(paths=paths, gpu_memory_gib=args.gpu_memory_gib, params=checkpoint_params(config.model),
+                  **ctx_kw)
     exp = export(args.to, config, ctx)
 
     files: dict[str, str] = {}

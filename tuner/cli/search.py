@@ -96,7 +96,7 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
     space, notes = restrict_to_device(load_space(args.space or default_space_path(device)), device)
     from tuner.cli.bench import capacity_settings
 
-    cap = capacity_settings(args, space.capacity)
+    cap = capacity_settings(args, space.capacity, f"space file {space.path!r}: capacity")
     w = dict(space.workload)
     try:
         spec = WorkloadSpec(

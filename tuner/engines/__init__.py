@@ -13,6 +13,7 @@ from typing import Any
 ENGINES: dict[str, str] = {
     "transformers-cb": "tuner.engines.transformers_cb:ContinuousBatchingEngine",
     "transformers-assisted": "tuner.engines.assisted:AssistedEngine",
+    "llamacpp": "tuner.engines.llamacpp:LlamaCppEngine",
 }
 
 
@@ -26,5 +27,22 @@ def get_engine_class(name: str) -> Any:
 
 
 def engine_for(config: Any) -> str:
-    """The engine that serves a config: drafts go through assisted generation, the rest through CB."""
+    """The engine that serves a config: llama.cpp's server for engine llamacpp; on transformers, drafts go through
+    assisted generation, the rest through CB."""
+    if config.engine == "llamacpp":
+        return "llamacpp"
     return "transformers-assisted" if config.draft != "none" else "transformers-cb"
+
+
+def availability() -> list[dict[str, Any]]:
+    """Per engine (config.engine values): can it run here, and the reason or where it is."""
+    import importlib.util
+
+    from tuner.engines.llamacpp import availability as llamacpp
+
+    ok = importlib.util.find_spec("transformers") is not None
+    rows = [{"engine": "transformers", "available": ok,
+             "detail": "in-process continuous batching / assisted generation" if ok else "pip install transformers"}]
+    ok, why = llamacpp()
+    rows.append({"engine": "llamacpp", "available": ok, "detail": why})
+    return rows

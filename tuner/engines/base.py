@@ -50,3 +50,16 @@ class Engine(ABC):
     def info(self) -> dict[str, Any]:
         """Device, versions and memory facts recorded with every measurement."""
         return {}
+
+    # Optional capabilities (the defaults say "not available").
+    def weights_bytes(self) -> int | None:
+        """Bytes of weights a batch-1 decode step reads, when the engine knows them (the roofline)."""
+        return None
+
+    def request_timings(self) -> dict[str, dict[str, Any]]:
+        """The engine's own per-request figures by request id (llama.cpp: `timings`), to check the harness."""
+        return {}
+
+    def server_pids(self) -> list[int]:
+        """Processes serving outside the tuner's own (a server engine): their memory is sampled too."""
+        return []

@@ -63,6 +63,11 @@ class ContinuousBatchingEngine(Engine):
         self._collector.start()
 
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int, sink: TokenSink) -> None:
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:  # an out-of-range id would kill the generation loop for every request: refuse this one only
+            sink.on_finish(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            return
         with self._lock:
             self._sinks[request_id] = (sink, [])
         eos = -1 if self.ignore_eos else self.tokenizer.eos_token_id

@@ -32,4 +32,8 @@ def exporter(target: str) -> Callable[[TrialConfig, Context | None], Export]:
 
 
 def export(target: str, config: TrialConfig, ctx: Context | None = None) -> Export:
-    return exporter(target)(config, ctx or Context())
+    fn = exporter(target)
+    if config.engine != "transformers" and target != config.engine:
+        raise TunerError(f"--to {target}: this config was measured on engine {config.engine} (quant {config.quant} "
+                         f"is that engine's own type); expected --to {config.engine}")
+    return fn(config, ctx or Context())

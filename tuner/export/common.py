@@ -77,6 +77,7 @@ class Context:
     paths: Mapping[str, str] = field(default_factory=dict)
     gpu_memory_gib: float = DEFAULT_GPU_GIB
     params: float | None = None  # parameter count of a checkpoint directory (read from its safetensors headers)
+    ctx_tokens: int | None = None  # llama.cpp: the server's -c as resolved when the trial was measured
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,18 @@ def gguf_ref(model: str, ctx: Context, key: str = "gguf") -> str | None:
     if model.endswith(".gguf"):
         return model
     return None
+
+
+ADAPTIVE_DRAFT = ("tuner measured the draft through transformers' assisted generation, which stops drafting early "
+                  "when the draft's confidence falls below assistant_confidence_threshold (K is a maximum); this "
+                  "engine drafts exactly K tokens per step")
+
+
+def vocab_differs(config: TrialConfig) -> bool:
+    """A draft alias whose tokenizer family differs from the target alias's (servers refuse or need a flag)."""
+    d = config.draft_spec
+    return (d.kind == "draft" and d.model is not None and is_alias(d.model) and is_alias(config.model)
+            and ALIAS_FAMILY[d.model] != ALIAS_FAMILY[config.model])
 
 
 def same_tokenizer_note(config: TrialConfig) -> str | None:

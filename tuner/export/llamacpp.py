@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tuner.config import TrialConfig
 from tuner.export.common import (
+    ADAPTIVE_DRAFT,
     APPROX,
     DROPPED,
     EXTRA_BATCH_TOKENS,
@@ -22,6 +23,7 @@ from tuner.export.common import (
     model_name,
     same_tokenizer_note,
     shell_script,
+    vocab_differs,
 )
 
 VERSION = "0c1e57098"
@@ -65,8 +67,61 @@ def _gguf_for(model: str, ctx: Context, gtype: str, key: str) -> tuple[str, list
     return out, cmds, f"converted from {model} with convert_hf_to_gguf.py, then quantized"
 
 
+def kv_ctx_tokens(config: TrialConfig, ctx: Context) -> tuple[int, str]:
+    """The server's -c and why: the tokens resolved from the KV fraction when the trial was measured
+    (tuner.engines.llamacpp.resolve_ctx_tokens), else SLOT_CTX per slot."""
+    n = config.batch_cap
+    if ctx.ctx_tokens:
+        return ctx.ctx_tokens, (f"{config.kv_fraction:g} -> -c {ctx.ctx_tokens} KV tokens in all ({ctx.ctx_tokens // n}"
+                                f" per slot), as resolved when measured: fraction x available memory / KV bytes "
+                                "per token, clamped to the model's context per slot")
+    return n * SLOT_CTX, (f"{config.kv_fraction:g}: not resolved for this machine (no measurement); -c {n * SLOT_CTX}"
+                          f" gives each of the {n} slots {SLOT_CTX} tokens")
+
+
+def export_native(config: TrialConfig, ctx: Context) -> Export:
+    """A config of engine llamacpp: the argv tuner's llama.cpp engine launches (plus --host/--port), unchanged."""
+    notes = [engine_note(ctx, ENGINE, same=True)]
+    draft = config.draft_spec
+    gtype = config.quant
+    gguf, prepare, origin = _gguf_for(config.model, ctx, gtype, "gguf")
+    gguf = ctx.paths.get("served_gguf") or gguf  # the file tuner made with exactly these steps (its cache)
+    notes.append(Note(MAPPED, "model", f"{config.model} -> -m {gguf}, {origin}"))
+    notes.append(Note(MAPPED, "quant", f"{gtype} (llama-quantize {gtype})"))
+    n = config.batch_cap
+    c, why = kv_ctx_tokens(config, ctx)
+    argv = ["llama-server", "-m", gguf, "-np", str(n), "-c", str(c)]
+    notes.append(Note(MAPPED, "batch_cap", f"{n} -> -np {n} (server slots decoded together)"))
+    notes.append(Note(MAPPED, "kv_fraction", why))
+    if config.kv_type != "auto":
+        argv += ["-ctk", config.kv_type, "-ctv", config.kv_type]
+        notes.append(Note(MAPPED, "kv_type", f"{config.kv_type} -> -ctk/-ctv {config.kv_type}"))
+    else:
+        notes.append(Note(MAPPED, "kv_type", "auto -> llama-server's default KV type (f16)"))
+    if draft.kind == "ngram":
+        argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                 "--spec-ngram-simple-size-m", str(draft.tokens)]
+        notes.append(Note(MAPPED, "draft", f"ngram:{draft.tokens} -> --spec-type ngram-simple, 2-gram lookup, "
+                                           f"{draft.tokens} drafted tokens"))
+    elif draft.kind == "draft":
+        dgguf, dprep, dorigin = _gguf_for(draft.model or "", ctx, gtype, "draft_gguf")
+        dgguf = ctx.paths.get("served_draft_gguf") or dgguf
+        prepare += dprep
+        argv += ["--spec-type", "draft-simple", "-md", dgguf, "--spec-draft-n-max", str(draft.tokens)]
+        notes.append(Note(MAPPED, "draft", f"{draft} -> -md {dgguf} ({dorigin}), --spec-draft-n-max {draft.tokens}"))
+    else:
+        notes.append(Note(MAPPED, "draft", "none -> no --spec-type"))
+    argv += ["-ngl", "0"] + (["-ngld", "0"] if draft.kind == "draft" else [])
+    notes.append(Note(MAPPED, "device", "cpu -> -ngl 0 (no layer offloaded to a GPU)"))
+    notes.append(Note(INFO, "serving", "tuner adds only --host 127.0.0.1 --port <free port> when it launches this"))
+    files = {"serve.sh": shell_script(ENGINE, config, ctx, notes, argv, prepare)}
+    return Export("llamacpp", ENGINE, config, argv, {}, files, notes, prepare, ctx)
+
+
 def export(config: TrialConfig, ctx: Context | None = None) -> Export:
     ctx = ctx or Context()
+    if config.engine == "llamacpp":
+        return export_native(config, ctx)
     notes = [engine_note(ctx, ENGINE, same=False)]
     draft = config.draft_spec
     q = config.quant
@@ -106,6 +161,9 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
                                            f"(--spec-ngram-simple-size-n 2), {draft.tokens} drafted tokens "
                                            f"(--spec-ngram-simple-size-m {draft.tokens}); transformers' prompt "
                                            "lookup also falls back to 1-grams"))
+    elif draft.kind == "draft" and vocab_differs(config):
+        notes.append(Note(DROPPED, "draft", f"{draft}: {same_tokenizer_note(config)}; llama.cpp refuses such a "
+                                            "draft at start-up (common/speculative.cpp), so no -md is set"))
     elif draft.kind == "draft":
         dtype = "F32" if q == "fp32" else "BF16"  # tuner loads the assistant unquantized at the compute dtype
         dgguf, dprep, dorigin = _gguf_for(draft.model or "", ctx, dtype, "draft_gguf")
@@ -114,8 +172,7 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
         notes.append(Note(MAPPED, "draft", f"{draft} -> --spec-type draft-simple -md {dgguf} "
                                            f"--spec-draft-n-max {draft.tokens}; the draft is {dorigin}, as {dtype} "
                                            "(tuner runs the assistant unquantized at the compute dtype)"))
-        if warn := same_tokenizer_note(config):
-            notes.append(Note(APPROX, "draft", warn))
+        notes.append(Note(APPROX, "draft", ADAPTIVE_DRAFT))
     else:
         notes.append(Note(DROPPED, "draft", f"{draft}: llama.cpp has no layer-skip self-speculation, so no "
                                             "--spec-type is set"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tuner.config import TrialConfig
 from tuner.export.common import (
+    ADAPTIVE_DRAFT,
     APPROX,
     DROPPED,
     EXTRA_BATCH_TOKENS,
@@ -24,6 +25,7 @@ from tuner.export.common import (
     memory_fraction,
     same_tokenizer_note,
     shell_script,
+    vocab_differs,
 )
 
 VERSION = "0.5.23"
@@ -97,9 +99,18 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
                                            "the last accepted token), --speculative-ngram-max-bfs-breadth 1 (one "
                                            "chain, like prompt lookup); SGLang's n-gram trie also matches text of "
                                            "earlier requests, transformers' prompt lookup only the current one"))
+    elif draft.kind == "draft" and vocab_differs(config):
+        notes.append(Note(DROPPED, "draft", f"{draft}: {same_tokenizer_note(config)}; SGLang refuses such a draft "
+                                            "at start-up (standalone_worker_v2.py), so no --speculative-algorithm "
+                                            "is set"))
     elif draft.kind == "draft":
         dmodel, dnote = hf_ref(draft.model or "", ctx, key="draft", knob="draft")
         k = draft.tokens
+        if "--quantization" in args:
+            args += ["--speculative-draft-model-quantization", "unquant"]
+            notes.append(Note(MAPPED, "draft", "--speculative-draft-model-quantization unquant: SGLang's draft "
+                                               "otherwise inherits the target's --quantization; tuner ran the "
+                                               "assistant unquantized"))
         args += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", dmodel,
                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(k + 1)]
@@ -107,8 +118,7 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
                                            f"{k} steps of top-1 proposals (--speculative-num-steps {k}, "
                                            f"--speculative-eagle-topk 1, --speculative-num-draft-tokens {k + 1})"))
         notes.append(dnote)
-        if warn := same_tokenizer_note(config):
-            notes.append(Note(APPROX, "draft", warn))
+        notes.append(Note(APPROX, "draft", ADAPTIVE_DRAFT))
     else:
         notes.append(Note(DROPPED, "draft", f"{draft}: SGLang {VERSION} has no layer-skip self-speculation (its "
                                             "algorithms: EAGLE, EAGLE3, STANDALONE, NGRAM, FROZEN_KV_MTP, DFLASH, "

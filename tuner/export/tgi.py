@@ -6,6 +6,8 @@ Flags and variables were checked against the launcher reference of that tag (tes
 
 from __future__ import annotations
 
+import math
+
 from tuner.config import TrialConfig
 from tuner.export.common import (
     ACTIVATION_HEADROOM,
@@ -33,6 +35,7 @@ IMAGE = f"ghcr.io/huggingface/text-generation-inference:{VERSION}"
 QUANTIZE = {"bnb-int8": "bitsandbytes", "bnb-nf4": "bitsandbytes-nf4", "bnb-fp4": "bitsandbytes-fp4",
             "gptq-int4": "gptq"}
 DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
+TGI_SAFETY = 0.90  # TGI uses cuda_memory_fraction x 0.90 of the device
 
 
 def env_name(flag: str) -> str:
@@ -60,10 +63,10 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
         notes.append(Note(MAPPED, "quant", "gptq-int4 -> --quantize gptq on tuner's GPTQ checkpoint (4 bit, "
                                            "group 64); TGI picks exllama/Marlin kernels itself"))
     elif q in QUANTIZE:
-        opts.append(("--quantize", QUANTIZE[q]))
-        notes.append(Note(APPROX, "quant", f"{q} -> --quantize {QUANTIZE[q]} (quantized in flight like tuner); "
-                                           "TGI computes in float16 with --quantize (--dtype cannot be combined "
-                                           "with it), tuner in bfloat16"))
+        opts += [("--quantize", QUANTIZE[q]), ("--dtype", "bfloat16")]
+        notes.append(Note(MAPPED, "quant", f"{q} -> --quantize {QUANTIZE[q]} --dtype bfloat16 (quantized in flight "
+                                           "like tuner, computing in bfloat16 as tuner did; TGI accepts --dtype "
+                                           "with the bitsandbytes methods)"))
     else:
         notes.append(Note(DROPPED, "quant", f"{q}: TGI has no torchao quantization, so the weights are served "
                                             "unquantized (half precision); the nearest TGI option, --quantize eetq "
@@ -81,11 +84,14 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
         notes.append(Note(DROPPED, "batch_cap", f"tuner's step budget max_batch_tokens = batch_cap + "
                                                 f"{EXTRA_BATCH_TOKENS}: TGI's --max-batch-prefill-tokens must be at "
                                                 "least --max-input-tokens, so it is left to TGI"))
-        frac, why = memory_fraction(config, ctx, ACTIVATION_HEADROOM)
+        share, why = memory_fraction(config, ctx, ACTIVATION_HEADROOM)
+        frac = min(1.0, math.ceil(round(share / TGI_SAFETY * 100, 6)) / 100)
         opts.append(("--cuda-memory-fraction", fmt_float(frac)))
-        notes.append(Note(APPROX, "kv_fraction", f"{config.kv_fraction:g} -> --cuda-memory-fraction {frac:.2f}. "
-                                                 "TGI caps the process at that share of TOTAL GPU memory and fills "
-                                                 "what weights and warm-up leave with KV cache: " + why))
+        notes.append(Note(APPROX, "kv_fraction", f"{config.kv_fraction:g} -> --cuda-memory-fraction {frac:.2f} = "
+                                                 f"{share:.2f} / {TGI_SAFETY} (TGI multiplies the flag by a "
+                                                 f"{TGI_SAFETY} safety factor). TGI caps the process at that share "
+                                                 "of TOTAL GPU memory and fills what weights and warm-up leave with "
+                                                 "KV cache: " + why))
     else:
         notes.append(Note(DROPPED, "kv_fraction", "tuner measured this draft config with assisted generation, "
                                                   "whose per-request dynamic cache ignores the KV fraction, so no "

@@ -14,6 +14,7 @@ import yaml
 from tuner.config import TrialConfig
 from tuner.export.common import (
     ACTIVATION_HEADROOM,
+    ADAPTIVE_DRAFT,
     APPROX,
     DROPPED,
     EXTRA_BATCH_TOKENS,
@@ -33,6 +34,7 @@ from tuner.export.common import (
     same_tokenizer_note,
     shell_command,
     shell_script,
+    vocab_differs,
 )
 
 VERSION = "0.27.1"
@@ -127,8 +129,11 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
         notes.append(Note(MAPPED, "draft", f"{draft} -> speculative-config method draft_model, model {dmodel}, "
                                            f"num_speculative_tokens {draft.tokens}"))
         notes.append(dnote)
-        if warn := same_tokenizer_note(config):
-            notes.append(Note(APPROX, "draft", warn))
+        if vocab_differs(config):
+            opts["speculative-config"]["use_heterogeneous_vocab"] = True
+            notes.append(Note(MAPPED, "draft", f"{same_tokenizer_note(config)}: vLLM {VERSION} bridges them with "
+                                               "speculative-config use_heterogeneous_vocab: true"))
+        notes.append(Note(APPROX, "draft", ADAPTIVE_DRAFT))
     else:
         notes.append(Note(DROPPED, "draft", f"{draft}: vLLM {VERSION} has no layer-skip self-speculation "
                                             "(its methods are ngram, draft_model, eagle/eagle3, medusa, "

@@ -1,0 +1,151 @@
+"""The llama.cpp engine end to end: `tuner bench --engine llamacpp` launches a real llama-server with exactly the
+argv `tuner export --to llamacpp` writes, and every failure is data or one line. The build comes from
+`make llamacpp` (make test builds it first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO, assert_one_line_error, run_tuner
+from tuner.config import TrialConfig
+
+MODEL = "smollm2-135m"
+SMALL = ["--requests", "8", "--concurrency", "2", "--input-len", "16:32", "--output-len", "8:12", "--no-bandwidth",
+         "--quiet"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _built():
+    from tuner.engines.llamacpp import availability
+
+    ok, why = availability()
+    if not ok:
+        pytest.fail(why)
+
+
+def servers() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"]
+
+
+def test_bench_then_export_is_the_argv_that_ran_and_bench_config_reproduces_it(tmp_path):
+    b = tmp_path / "b.json"
+    proc = run_tuner("bench", "--engine", "llamacpp", "--model", MODEL, "--quant", "Q8_0", "--batch-cap", "2",
+                     "--kv-fraction", "0.002", "--kv-type", "q8_0", *SMALL, "--json", str(b))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(b.read_text())
+    assert res["config"]["engine"] == "llamacpp" and res["metrics"]["completed"] == 8
+    ran = res["engine"]["info"]["argv"]
+    assert Path(ran[0]).name == "llama-server" and res["engine"]["info"]["startup_s"] > 0
+    assert ran[ran.index("-np") + 1] == "2" and ran[ran.index("-ctk") + 1] == "q8_0"
+    h = res["engine"]["harness_check"]  # the client's TTFT cannot be shorter than the server's own prompt time
+    assert h["n"] == 8 and h["ttft_minus_server_prompt_ms_p50"] >= 0, h
+    e = tmp_path / "e.json"
+    proc = run_tuner("export", "--config", str(b), "--to", "llamacpp", "-o", str(e))
+    assert proc.returncode == 0, proc.stderr
+    exported = json.loads(e.read_text())
+    assert exported["argv"][1:] == ran[1:]  # the same flags and files; only the binary's location differs
+    assert not [n for n in exported["notes"] if "approximated" in n or "dropped" in n]
+    b2 = tmp_path / "b2.json"
+    proc = run_tuner("bench", "--config", str(e), *SMALL, "--json", str(b2))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(b2.read_text())["engine"]["info"]["argv"] == ran
+    assert servers() == []
+
+
+def test_kv_fraction_maps_monotonically_to_context_tokens():
+    """Knob -> effect: a larger KV fraction gives the server more KV tokens (-c), as the server reports them."""
+    import urllib.request
+
+    from tuner.engines.llamacpp import LlamaCppEngine
+
+    seen = []
+    for kv in (0.0005, 0.001, 0.002):
+        e = LlamaCppEngine(TrialConfig(model=MODEL, engine="llamacpp", quant="Q8_0", batch_cap=2, kv_fraction=kv))
+        e.start()
+        try:
+            with urllib.request.urlopen(e.server.url + "/props", timeout=10) as r:
+                props = json.loads(r.read())
+        finally:
+            e.stop()
+        n_ctx = props["default_generation_settings"]["n_ctx"]  # per slot, as the server resolved it
+        seen.append((e.ctx_tokens, n_ctx))
+    assert [c for c, _ in seen] == sorted({c for c, _ in seen}), seen
+    assert [n for _, n in seen] == sorted({n for _, n in seen}), seen
+
+
+def test_a_server_that_dies_mid_run_fails_its_requests_with_the_reason():
+    from tuner.engines.llamacpp import LlamaCppEngine
+    from tuner.loadgen import run_load
+    from tuner.models import checkpoint_dir
+    from tuner.quantize import load_tokenizer
+    from tuner.workload import WorkloadSpec, build_workload, with_arrivals
+
+    tok = load_tokenizer(checkpoint_dir(MODEL))
+    reqs = with_arrivals(build_workload(WorkloadSpec(requests=6, rate=None, concurrency=2, input_len=(16, 32),
+                                                     output_len=(200, 200)), tok), None, "poisson", 0)
+    e = LlamaCppEngine(TrialConfig(model=MODEL, engine="llamacpp", quant="Q8_0", batch_cap=2, kv_fraction=0.002))
+    e.start()
+    pid = e.server.proc.pid
+    killer = __import__("threading").Timer(2.0, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    try:
+        load = run_load(e, reqs, concurrency=2, timeout_s=120, progress=False)
+    finally:
+        e.stop()
+    errors = [r.error for r in load.results if r.error]
+    assert errors and all("server exited with code -9" in err for err in errors), errors
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_server_that_fails_at_start_is_a_failed_run_with_its_own_last_line(tmp_path):
+    """Failure injection: a llama-server that prints an error and exits (the real llama-quantize stays)."""
+    from tuner.engines.llamacpp import bin_dir
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "llama-server").write_text("#!/bin/sh\necho 'main: error: unsupported model architecture: foo' >&2\n"
+                                       "exit 1\n")
+    (fake / "llama-server").chmod(0o755)
+    (fake / "llama-quantize").symlink_to(bin_dir() / "llama-quantize")
+    out = tmp_path / "b.json"
+    proc = run_tuner("bench", "--engine", "llamacpp", "--model", MODEL, "--quant", "Q8_0", *SMALL, "--json",
+                     str(out), env={"TUNER_LLAMACPP_BIN": str(fake)})
+    assert proc.returncode == 1, proc.stderr
+    res = json.loads(out.read_text())
+    assert res["status"] == "failed"
+    assert "exited with code 1 at start" in res["reason"] and "unsupported model architecture: foo" in res["reason"]
+
+
+def test_ctrl_c_leaves_no_server_running(tmp_path):
+    p = subprocess.Popen([sys.executable, "-m", "tuner", "bench", "--engine", "llamacpp", "--model", MODEL,
+                          "--quant", "Q8_0", "--requests", "40", "--concurrency", "2", "--output-len", "200:200",
+                          "--no-bandwidth", "--quiet"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not servers() and time.time() < deadline:
+        time.sleep(0.2)
+    assert servers(), "the server never started"
+    time.sleep(2)
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=60)
+    time.sleep(1)
+    assert [s for s in servers() if s.status() != psutil.STATUS_ZOMBIE] == []
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--engine", "vllm-typo"], ["'vllm-typo'", "transformers, llamacpp"]),
+    (["--engine", "llamacpp", "--quant", "bf16"], ["'bf16'", "Q8_0"]),
+    (["--kv-type", "q8_0"], ["'q8_0'", "transformers"]),
+    (["--engine", "llamacpp", "--kv-type", "q3"], ["'q3'", "q4_0"]),
+    (["--engine", "llamacpp", "--draft", "early-exit:4"], ["early-exit:4", "ngram:K"]),
+])
+def test_bad_engine_input_is_one_line_exit_2(args, needles):
+    assert_one_line_error(run_tuner("bench", "--model", MODEL, *args, *SMALL), *needles)

@@ -1,0 +1,275 @@
+"""llama.cpp's `llama-server` (ggml-org/llama.cpp@0c1e57098, built by `make llamacpp`) as a tuner engine.
+
+The engine launches exactly the argv `tuner export --to llamacpp` writes for the config (tuner.export.llamacpp), plus
+`--host 127.0.0.1 --port <free port>`, and drives the server's native `POST /completion` with the prompt as token
+ids, streaming, `return_tokens` (token ids in every event), greedy sampling and `ignore_eos`.
+
+Knob mapping (recorded in the bench JSON under `engine.settings`):
+  quant       -> the GGUF weight type, made once with `llama-quantize --allow-requantize` from the model's GGUF and
+                 cached under $TUNER_CACHE/gguf/<source sha256[:16]>-<TYPE>.gguf
+  batch cap   -> -np (server slots decoded together)
+  KV fraction -> -c, the KV cache in tokens: floor(fraction x available memory / KV bytes per token), rounded down
+                 to a multiple of 256, at least 256 per slot and at most the model's trained context per slot;
+                 KV bytes per token = 2 (K and V) x layers x KV heads x head size x bytes per element of --kv-type
+  kv_type     -> -ctk/-ctv
+  draft       -> --spec-type ngram-simple (ngram:K) or -md (draft:<model>:K, same vocabulary only)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tuner.config import TrialConfig
+from tuner.engines.base import Capabilities, Engine, TokenSink
+from tuner.engines.http import Event, StreamingClient
+from tuner.engines.server import ServerFailed, ServerProcess, free_port
+from tuner.errors import TunerError, UnsupportedConfig
+
+COMMIT = "0c1e57098"
+# bytes per KV element by llama.cpp type (block types: bytes per block / elements per block)
+KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+CTX_ROUND = 256
+
+
+def bin_dir() -> Path | None:
+    """Where llama-server and llama-quantize are: $TUNER_LLAMACPP_BIN, else the `make llamacpp` cache."""
+    from tuner.models import cache_root
+
+    env = os.environ.get("TUNER_LLAMACPP_BIN")
+    for d in ([Path(env)] if env else []) + [cache_root() / "llama.cpp" / COMMIT / "bin"]:
+        if (d / "llama-server").is_file():
+            return d
+    return None
+
+
+def binary(name: str) -> Path:
+    d = bin_dir()
+    if d is None or not (d / name).is_file():
+        raise TunerError(f"{name} not found (looked in $TUNER_LLAMACPP_BIN and $TUNER_CACHE/llama.cpp/{COMMIT}/bin):"
+                         " expected a build from `make llamacpp` (~5.5 min)")
+    return d / name
+
+
+def availability() -> tuple[bool, str]:
+    """For `tuner models`/`tuner engines`: whether this engine can run here, and why not."""
+    d = bin_dir()
+    if d is None:
+        return False, f"llama-server not built: run `make llamacpp` (llama.cpp {COMMIT}, ~5.5 min on 2 cores)"
+    return True, f"llama.cpp {COMMIT} at {d}"
+
+
+def source_gguf(model: str) -> Path:
+    from tuner.models import resolve_source
+
+    src = resolve_source(model)
+    if src.kind == "checkpoint":
+        raise UnsupportedConfig(f"engine llamacpp serves GGUF files: {model!r} is a checkpoint directory; expected an"
+                                " alias or a .gguf file (convert it with llama.cpp's convert_hf_to_gguf.py)")
+    return Path(src.path)
+
+
+def quantized_gguf(model: str, gtype: str) -> Path:
+    """The model's GGUF at weight type `gtype`, made once with llama-quantize and cached (sha256-keyed)."""
+    from tuner.models import cache_root, file_sha256
+
+    src = source_gguf(model)
+    out = cache_root() / "gguf" / f"{src.stem}-{file_sha256(src)[:16]}-{gtype}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([str(binary("llama-quantize")), "--allow-requantize", str(src), tmp, gtype],
+                              capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            from tuner.engines.server import last_error_line
+
+            raise UnsupportedConfig(f"llama-quantize {gtype} failed: "
+                                    f"{last_error_line((proc.stderr + proc.stdout).splitlines())}")
+        os.replace(tmp, out)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return out
+
+
+def gguf_facts(path: Path) -> dict[str, Any]:
+    """Architecture facts the KV sizing needs, read from the GGUF header."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+
+    def field(key: str) -> Any:
+        f = r.fields.get(key)
+        return None if f is None else f.contents()
+
+    arch = field("general.architecture")
+    heads = field(f"{arch}.attention.head_count")
+    kv_heads = field(f"{arch}.attention.head_count_kv") or heads
+    emb = field(f"{arch}.embedding_length")
+    k_len = field(f"{arch}.attention.key_length") or (emb // heads if emb and heads else None)
+    v_len = field(f"{arch}.attention.value_length") or k_len
+    return {"arch": arch, "layers": field(f"{arch}.block_count"), "kv_heads": kv_heads, "k_len": k_len,
+            "v_len": v_len, "n_ctx_train": field(f"{arch}.context_length"),
+            "file_type": field("general.file_type"), "size_bytes": path.stat().st_size}
+
+
+def kv_bytes_per_token(facts: dict[str, Any], kv_type: str) -> float:
+    kv = KV_BYTES["f16" if kv_type == "auto" else kv_type]
+    return facts["layers"] * facts["kv_heads"] * (facts["k_len"] + facts["v_len"]) * kv
+
+
+def resolve_ctx_tokens(config: TrialConfig, facts: dict[str, Any], available_bytes: int) -> int:
+    """-c from the KV fraction (see the module docstring)."""
+    per_token = kv_bytes_per_token(facts, config.kv_type)
+    c = int(config.kv_fraction * available_bytes / per_token) // CTX_ROUND * CTX_ROUND
+    n = config.batch_cap
+    most = n * int(facts.get("n_ctx_train") or 4096)
+    return max(CTX_ROUND * n, min(c, most))
+
+
+class LlamaCppClient(StreamingClient):
+    path = "/completion"
+
+    def __init__(self, base_url: str, ignore_eos: bool) -> None:
+        super().__init__(base_url)
+        self.ignore_eos = ignore_eos
+
+    def request_body(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+        return {"prompt": prompt_ids, "n_predict": max_tokens, "stream": True, "return_tokens": True,
+                "ignore_eos": self.ignore_eos, "temperature": 0.0}
+
+    def parse_event(self, data: dict[str, Any]) -> Event:
+        if data.get("stop"):
+            return Event(token_ids=list(data.get("tokens") or []), done=True,
+                         final={k: data.get(k) for k in ("timings", "tokens_predicted", "tokens_evaluated",
+                                                         "stop_type", "id_slot", "truncated")})
+        return Event(token_ids=list(data.get("tokens") or []))
+
+    def draft_counts(self, final: dict[str, Any]) -> tuple[int, int]:
+        t = final.get("timings") or {}
+        return int(t.get("draft_n") or 0), int(t.get("draft_n_accepted") or 0)
+
+
+class LlamaCppEngine(Engine):
+    def __init__(self, config: TrialConfig, ignore_eos: bool = True, log_path: Path | None = None) -> None:
+        if config.engine != "llamacpp":
+            raise TunerError(f"LlamaCppEngine got a config of engine {config.engine!r}: expected llamacpp")
+        self.config, self.ignore_eos, self.log_path = config, ignore_eos, log_path
+        self.server: ServerProcess | None = None
+        self.client: LlamaCppClient | None = None
+        self.argv: list[str] = []
+        self.gguf: Path | None = None
+        self.facts: dict[str, Any] = {}
+        self.ctx_tokens: int | None = None
+        self.prepare_s: float | None = None
+
+    def prepare(self) -> None:
+        """Quantize (cached) and resolve the argv; raises UnsupportedConfig / TunerError."""
+        import psutil
+
+        from tuner.export.common import Context
+        from tuner.export.llamacpp import export
+
+        t = time.perf_counter()
+        draft = self.config.draft_spec
+        paths = {"gguf": str(source_gguf(self.config.model)),
+                 "served_gguf": str(quantized_gguf(self.config.model, self.config.quant))}
+        if draft.kind == "draft":
+            from tuner.export.common import ALIAS_FAMILY
+
+            fam = {ALIAS_FAMILY.get(self.config.model), ALIAS_FAMILY.get(draft.model or "")}
+            if len(fam) != 1 or None in fam:
+                raise UnsupportedConfig(f"draft {draft.model!r} for {self.config.model!r}: llama.cpp needs a draft "
+                                        "with the target's vocabulary (common/speculative.cpp refuses others)")
+            paths["draft_gguf"] = str(source_gguf(draft.model or ""))
+            paths["served_draft_gguf"] = str(quantized_gguf(draft.model or "", self.config.quant))
+        self.gguf = Path(paths["served_gguf"])
+        self.facts = gguf_facts(self.gguf)
+        self.ctx_tokens = resolve_ctx_tokens(self.config, self.facts, psutil.virtual_memory().available)
+        exp = export(self.config, Context(paths=paths, ctx_tokens=self.ctx_tokens))
+        self.exported_argv = list(exp.argv)
+        self.argv = [str(binary("llama-server"))] + exp.argv[1:]
+        self.prepare_s = time.perf_counter() - t
+
+    def settings(self) -> dict[str, Any]:
+        return {"gguf": str(self.gguf) if self.gguf else None, "weight_type": self.config.quant,
+                "slots": self.config.batch_cap, "ctx_tokens": self.ctx_tokens, "kv_type": self.config.kv_type,
+                "argv": self.argv, "ignore_eos": self.ignore_eos, "sampling": "greedy (temperature 0)"}
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities("llamacpp", streaming=True, max_concurrency=self.config.batch_cap,
+                            supports_draft=True, settings=self.settings())
+
+    def start(self) -> None:
+        if not self.argv:
+            self.prepare()
+        port = free_port()
+        self.server = ServerProcess(self.argv + ["--host", "127.0.0.1", "--port", str(port)], port,
+                                    log_path=self.log_path)
+        try:
+            self.server.start()
+        except ServerFailed:
+            self.server.stop()
+            raise
+        self.client = LlamaCppClient(self.server.url, self.ignore_eos)
+        self.client.open()
+
+    def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int, sink: TokenSink) -> None:
+        if self.client is None:
+            sink.on_finish("engine not started")
+            return
+        self.client.submit(request_id, prompt_ids, max_tokens, _DeathAware(sink, self.server))
+
+    def stop(self, drain: bool = True) -> None:
+        try:
+            if self.client is not None:
+                self.client.close(drain=drain)
+        finally:
+            self.client = None
+            if self.server is not None:
+                self.server.stop()
+
+    def request_timings(self) -> dict[str, dict[str, Any]]:
+        return {rid: f.get("timings") or {} for rid, f in (self.client.finals if self.client else {}).items()}
+
+    def weights_bytes(self) -> int | None:
+        return self.facts.get("size_bytes")
+
+    def info(self) -> dict[str, Any]:
+        s = self.server
+        return {"build": f"llama.cpp {COMMIT}", "argv": self.argv, "exported_argv": getattr(self, "exported_argv", []),
+                "startup_s": s.startup_s if s else None, "prepare_s": self.prepare_s,
+                "ctx_tokens": self.ctx_tokens, "gguf": {**self.facts, "path": str(self.gguf)},
+                "log": str(self.log_path) if self.log_path else None,
+                "pid": s.proc.pid if s and s.proc else None}
+
+    def server_pids(self) -> list[int]:
+        return [self.server.proc.pid] if self.server and self.server.proc and self.server.alive() else []
+
+
+class _DeathAware:
+    """Wraps a sink so a request that fails because the server died says so (with the server's last error)."""
+
+    def __init__(self, sink: TokenSink, server: ServerProcess | None) -> None:
+        self.sink, self.server = sink, server
+
+    def on_tokens(self, token_ids: list[int], engine_time_s: float | None) -> None:
+        self.sink.on_tokens(token_ids, engine_time_s)
+
+    def on_finish(self, error: str | None, draft_proposed: int = 0, draft_accepted: int = 0) -> None:
+        if error and self.server is not None:
+            if not error.startswith("HTTP ") and self.server.proc is not None:
+                try:  # a reset connection may be seen a moment before the exit status is
+                    self.server.proc.wait(timeout=1.0)
+                except Exception:
+                    pass
+            died = self.server.death_reason()
+            if died:
+                error = f"{died} ({error})"
+        self.sink.on_finish(error, draft_proposed, draft_accepted)

@@ -1,0 +1,149 @@
+"""A serving engine's own process, shared by every server engine: launch an argv on a free local port, wait for its
+health endpoint, keep its output in a log, stop it (and everything it started).
+
+No orphan survives the tuner: the server runs in the tuner's process group (a Ctrl-C or a trial's group kill reaches
+it too), is asked to die with its parent (Linux `PR_SET_PDEATHSIG`), and `stop()` terminates it, then kills it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from tuner.errors import TunerError
+
+
+class ServerFailed(RuntimeError):
+    """The server did not start or died; the message is one line ending with the server's own last error line."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def last_error_line(lines: list[str]) -> str:
+    """The line of a server log that best says why it failed: the last one naming an error, else the last line."""
+    for line in reversed(lines):
+        low = line.lower()
+        if any(w in low for w in ("error", "failed", "invalid", "unknown", "cannot", "abort")):
+            return line.strip()
+    return lines[-1].strip() if lines else "no output"
+
+
+class ServerProcess:
+    """`argv` launched as is (the caller puts host and port in it); `health_path` answered 200 means ready."""
+
+    def __init__(self, argv: list[str], port: int, health_path: str = "/health", log_path: Path | None = None,
+                 env: dict[str, str] | None = None, startup_timeout_s: float = 300.0) -> None:
+        self.argv, self.port, self.health_path = list(argv), port, health_path
+        self.log_path, self.env = log_path, env
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+        self.last_lines: list[str] = []
+        self._log_file: Any = None
+        self._owned_log = False  # a temporary log made here is removed at stop (its last lines are read before)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def tail(self, n: int = 20) -> list[str]:
+        if self.log_path is None or not self.log_path.is_file():
+            return self.last_lines[-n:]
+        with open(self.log_path, errors="replace") as f:
+            return [ln.rstrip("\n") for ln in deque(f, maxlen=n)]
+
+    def start(self) -> float:
+        """Launch and wait until healthy; returns the start-up seconds. Raises ServerFailed (one line)."""
+        if not Path(self.argv[0]).is_file():
+            raise TunerError(f"server binary {self.argv[0]!r} does not exist: expected a built binary (make llamacpp)")
+        if port_in_use(self.port):
+            raise ServerFailed(f"port {self.port} is already in use: expected a free port")
+        if self.log_path is None:
+            import tempfile
+
+            fd, name = tempfile.mkstemp(prefix="tuner-server.", suffix=".log")
+            os.close(fd)
+            self.log_path, self._owned_log = Path(name), True
+        self._log_file = open(self.log_path, "ab")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                     stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})},
+                                     preexec_fn=_die_with_parent)
+        deadline = t0 + self.startup_timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self._close_log()
+                raise ServerFailed(f"{Path(self.argv[0]).name} exited with code {code} at start: "
+                                   f"{last_error_line(self.tail())}")
+            if self._healthy():
+                self.startup_s = time.perf_counter() - t0
+                return self.startup_s
+            if time.perf_counter() > deadline:
+                self.stop()
+                raise ServerFailed(f"{Path(self.argv[0]).name} not healthy after {self.startup_timeout_s:g}s: "
+                                   f"{last_error_line(self.tail())}")
+            time.sleep(0.1)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def death_reason(self) -> str | None:
+        """None while running; else one line with the exit code and the server's last error line."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return f"server exited with code {self.proc.returncode}: {last_error_line(self.tail())}"
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`; idempotent. Keeps `last_lines` of the log."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self._close_log()
+        if self._owned_log and self.log_path is not None:
+            self.last_lines = self.tail()
+            self.log_path.unlink(missing_ok=True)
+            self.log_path, self._owned_log = None, False
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
