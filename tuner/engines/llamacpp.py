@@ -164,6 +164,7 @@ class LlamaCppEngine(Engine):
         self.server: ServerProcess | None = None
         self.client: LlamaCppClient | None = None
         self.argv: list[str] = []
+        self.exported_argv: list[str] = []  # what `tuner export --to llamacpp` writes; argv = it + the binary path
         self.gguf: Path | None = None
         self.facts: dict[str, Any] = {}
         self.ctx_tokens: int | None = None
@@ -243,7 +244,7 @@ class LlamaCppEngine(Engine):
 
     def info(self) -> dict[str, Any]:
         s = self.server
-        return {"build": f"llama.cpp {COMMIT}", "argv": self.argv, "exported_argv": getattr(self, "exported_argv", []),
+        return {"build": f"llama.cpp {COMMIT}", "argv": self.argv, "exported_argv": self.exported_argv,
                 "startup_s": s.startup_s if s else None, "prepare_s": self.prepare_s,
                 "ctx_tokens": self.ctx_tokens, "gguf": {**self.facts, "path": str(self.gguf)},
                 "log": str(self.log_path) if self.log_path else None,
