@@ -7,7 +7,7 @@ invocation (a real llama-server per run, launched with the exported argv).
 (b) harness check: the client's TTFT minus the server's own prompt time, and the client's TPOT minus the server's
     time per token (llama.cpp `timings`), medians over the same batch-1 runs. Goal: TTFT gap median < 1 ms.
 (c) capacity side by side, same workload and SLO: a llama.cpp config, a transformers config, and the bundled
-    model as llama-server serves it by default (its shipped Q4_1 GGUF, one slot).
+    model as llama-server serves it by default (its shipped Q4_1 GGUF; `-np` auto = 4 slots at this commit).
 
 Usage: .venv/bin/python benchmarks/bench_llamacpp.py [--types F16,Q8_0,...] [--skip-capacity] [--json out.json]
 """
@@ -70,8 +70,8 @@ def capacity_rows(slo: str, budget: str) -> list[dict]:
         "llama.cpp Q8_0, 8 slots": ["--engine", "llamacpp", "--quant", "Q8_0", "--batch-cap", "8",
                                     "--kv-fraction", "0.01"],
         "transformers bf16, cap 16": ["--quant", "bf16", "--batch-cap", "16", "--kv-fraction", "0.01"],
-        "llama-server default (Q4_1 as shipped, 1 slot)": ["--engine", "llamacpp", "--quant", "Q4_1",
-                                                           "--batch-cap", "1", "--kv-fraction", "0.01"],
+        "llama-server default (Q4_1 as shipped, -np auto=4)": ["--engine", "llamacpp", "--quant", "Q4_1",
+                                                               "--batch-cap", "4", "--kv-fraction", "0.01"],
     }
     rows = []
     for name, args in configs.items():

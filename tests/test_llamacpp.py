@@ -39,13 +39,15 @@ def servers() -> list[psutil.Process]:
 def test_bench_then_export_is_the_argv_that_ran_and_bench_config_reproduces_it(tmp_path):
     b = tmp_path / "b.json"
     proc = run_tuner("bench", "--engine", "llamacpp", "--model", MODEL, "--quant", "Q8_0", "--batch-cap", "2",
-                     "--kv-fraction", "0.002", "--kv-type", "q8_0", *SMALL, "--json", str(b))
+                     "--kv-fraction", "0.002", "--kv-type", "q8_0", "--threads", "1", "--ubatch", "128", *SMALL,
+                     "--json", str(b))
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(b.read_text())
     assert res["config"]["engine"] == "llamacpp" and res["metrics"]["completed"] == 8
     ran = res["engine"]["info"]["argv"]
     assert Path(ran[0]).name == "llama-server" and res["engine"]["info"]["startup_s"] > 0
     assert ran[ran.index("-np") + 1] == "2" and ran[ran.index("-ctk") + 1] == "q8_0"
+    assert ran[ran.index("-t") + 1] == "1" and ran[ran.index("-ub") + 1] == "128"  # the server accepted them
     h = res["engine"]["harness_check"]  # the client's TTFT cannot be shorter than the server's own prompt time
     assert h["n"] == 8 and h["ttft_minus_server_prompt_ms_p50"] >= 0, h
     e = tmp_path / "e.json"
@@ -54,10 +56,11 @@ def test_bench_then_export_is_the_argv_that_ran_and_bench_config_reproduces_it(t
     exported = json.loads(e.read_text())
     assert exported["argv"][1:] == ran[1:]  # the same flags and files; only the binary's location differs
     assert not [n for n in exported["notes"] if "approximated" in n or "dropped" in n]
-    b2 = tmp_path / "b2.json"
-    proc = run_tuner("bench", "--config", str(e), *SMALL, "--json", str(b2))
+    b2, log = tmp_path / "b2.json", tmp_path / "server.log"
+    proc = run_tuner("bench", "--config", str(e), *SMALL, "--json", str(b2), "--server-log", str(log))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(b2.read_text())["engine"]["info"]["argv"] == ran
+    assert "listening on http://127.0.0.1:" in log.read_text(errors="replace")  # the server's own output, kept
     assert servers() == []
 
 
@@ -116,10 +119,12 @@ def test_a_server_that_fails_at_start_is_a_failed_run_with_its_own_last_line(tmp
                                        "exit 1\n")
     (fake / "llama-server").chmod(0o755)
     (fake / "llama-quantize").symlink_to(bin_dir() / "llama-quantize")
-    out = tmp_path / "b.json"
+    out, log = tmp_path / "b.json", tmp_path / "server.log"
+    log.write_text("main: error: an older run's failure\n")  # an appended log: only this server's lines count
     proc = run_tuner("bench", "--engine", "llamacpp", "--model", MODEL, "--quant", "Q8_0", *SMALL, "--json",
-                     str(out), env={"TUNER_LLAMACPP_BIN": str(fake)})
+                     str(out), "--server-log", str(log), env={"TUNER_LLAMACPP_BIN": str(fake)})
     assert proc.returncode == 1, proc.stderr
+    assert "unsupported model architecture: foo" in log.read_text()
     res = json.loads(out.read_text())
     assert res["status"] == "failed"
     assert "exited with code 1 at start" in res["reason"] and "unsupported model architecture: foo" in res["reason"]
@@ -141,11 +146,13 @@ def test_ctrl_c_leaves_no_server_running(tmp_path):
 
 
 @pytest.mark.parametrize("args, needles", [
-    (["--engine", "vllm-typo"], ["'vllm-typo'", "transformers, llamacpp"]),
+    (["--engine", "vllm-typo"], ["'vllm-typo'", "transformers, llamacpp, vllm"]),
     (["--engine", "llamacpp", "--quant", "bf16"], ["'bf16'", "Q8_0"]),
     (["--kv-type", "q8_0"], ["'q8_0'", "transformers"]),
     (["--engine", "llamacpp", "--kv-type", "q3"], ["'q3'", "q4_0"]),
     (["--engine", "llamacpp", "--draft", "early-exit:4"], ["early-exit:4", "ngram:K"]),
+    (["--threads", "2"], ["threads 2 is a llama.cpp knob (-t)", "engine transformers"]),
+    (["--engine", "llamacpp", "--ubatch", "-8"], ["ubatch -8 is invalid", "integer >= 0"]),
 ])
 def test_bad_engine_input_is_one_line_exit_2(args, needles):
     assert_one_line_error(run_tuner("bench", "--model", MODEL, *args, *SMALL), *needles)

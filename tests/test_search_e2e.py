@@ -125,3 +125,42 @@ def test_bad_space_file_via_cli(tmp_path):
                      "--results-dir", str(tmp_path / "r"))
     assert_one_line_error(proc, "knobs.batch_cap.choices[1]")
     assert not (tmp_path / "r" / "tuner.db").exists()
+
+
+@pytest.mark.slow
+def test_llamacpp_search_recommends_the_exact_server_command(tmp_path):
+    """`tuner search --engine llamacpp`: every trial is a real llama-server; quality is llama-perplexity's on the
+    served GGUF + KV type; the answer prints the exact llama-server argv that was measured, and `tuner export --to
+    llamacpp` of the recommendation writes that same argv."""
+    import optuna
+
+    space = str(REPO / "tests" / "data" / "tiny_llamacpp_space.yaml")
+    proc = run_tuner("search", "--model", "smollm2-135m", "--engine", "llamacpp", "--space", space,
+                     "--results-dir", str(tmp_path), "--study", "tinyllama", "--seed", "0", "--quiet",
+                     "--probe-requests", "8:12", "--max-probes", "2", "--latency-target", "60s",
+                     "--latency-metric", "e2e:p50", "--trials", "3", "--max-quality-drop", "30", timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "RECOMMENDED: trial" in proc.stdout
+    launch_line = next(line for line in proc.stdout.splitlines() if "launch (exactly what was measured)" in line)
+    rec = json.loads((tmp_path / "tinyllama" / "recommendation.json").read_text())
+    r = rec["recommendation"]
+    assert r["engine"] == "llamacpp" and r["config"]["engine"] == "llamacpp"
+    assert r["launch"][0] == "llama-server" and launch_line.split(": ", 1)[1].startswith("llama-server -m ")
+    assert "llama-perplexity" in r["quality"]["gate"]["baseline"]
+    storage = f"sqlite:///{tmp_path / 'tuner.db'}"
+    study = optuna.load_study(study_name="tinyllama", storage=storage)
+    base = study.trials[0].user_attrs["config"]
+    assert (base["engine"], base["quant"], base["batch_cap"]) == ("llamacpp", "Q4_1", 1)
+    exported = tmp_path / "exported.json"
+    proc_x = run_tuner("export", "--study", "tinyllama", "--storage", storage, "--best", "--to", "llamacpp",
+                       "-o", str(exported))
+    assert proc_x.returncode == 0, proc_x.stderr[-2000:]
+    assert json.loads(exported.read_text())["argv"] == r["launch"]
+
+
+def test_engine_flag_conflicting_with_the_space_is_one_line(tmp_path):
+    proc = run_tuner("search", "--model", "smollm2-135m", "--engine", "transformers", "--latency-target", "1s",
+                     "--space", str(REPO / "tests" / "data" / "tiny_llamacpp_space.yaml"),
+                     "--results-dir", str(tmp_path / "r"))
+    assert_one_line_error(proc, "--engine transformers conflicts with space file")
+    assert not (tmp_path / "r" / "tuner.db").exists()

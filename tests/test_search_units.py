@@ -80,11 +80,35 @@ def test_default_spaces_are_valid():
     for dev in ("cpu", "cuda"):
         space = load_space(default_space_path(dev))
         assert set(space.knobs) == {"quant", "batch_cap", "kv_fraction", "draft"}
+        assert space.engine == "transformers"
         assert space.baseline["batch_cap"] == 1 and space.baseline["draft"] == "none"
         assert space.knobs["kv_fraction"].when == {"draft": ("none",)}  # KV fraction only where it applies
 
 
+def test_llamacpp_space_samples_llamacpp_configs():
+    """The llama.cpp space: llama.cpp's own type names, the KV-type knob, llama-server's defaults as baseline; a
+    sampled point is a TrialConfig of engine llamacpp (so the bench launches llama-server for it)."""
+    import optuna
+
+    space = load_space(default_space_path("cpu", "llamacpp"))
+    assert space.engine == "llamacpp" and "Q4_K_M" in space.knobs["quant"].choices
+    assert space.knobs["kv_type"].choices[0] == "auto" and "q8_0" in space.knobs["kv_type"].choices
+    assert space.baseline["quant"] == "Q4_1" and space.knobs["quant"].choices[0] == "Q4_1"
+    assert "winogrande" not in space.quality["tasks"]
+    c = suggest_config(optuna.trial.FixedTrial({"quant": "Q6_K", "batch_cap": 8, "draft": "ngram:3",
+                                                "kv_fraction": 0.002, "kv_type": "q4_0", "threads": 1,
+                                                "ubatch": 128}), space, "m", "cpu")
+    assert (c.engine, c.quant, c.kv_type, c.batch_cap, c.draft) == ("llamacpp", "Q6_K", "q4_0", 8, "ngram:3")
+    assert (c.threads, c.ubatch) == (1, 128)
+
+
 @pytest.mark.parametrize("body,needle", [
+    ("engine: llamacpp\nknobs: {quant: {choices: [bf16]}}", "knobs.quant.choices[0]: unknown quantization format "
+                                                            "'bf16' for engine llamacpp"),
+    ("knobs: {kv_type: {choices: [auto, q8_0]}}", "knobs.kv_type.choices[1]: KV type 'q8_0' is not accepted by "
+                                                  "engine transformers"),
+    ("engine: vllm2\nknobs: {quant: {choices: [bf16]}}", "engine: unknown engine 'vllm2'"),
+    ("knobs: {threads: {choices: [0, 2]}}", "knobs.threads.choices[1]: threads 2 is a llama.cpp knob"),
     ("knobs: {quant: {choices: [bf16, int3]}}", "knobs.quant.choices[1]: unknown quantization format 'int3'"),
     ("knobs: {batch_cap: {choices: [1, 0]}}", "knobs.batch_cap.choices[1]: batch cap 0"),
     ("knobs: {kv_fraction: {low: 0.5, high: 0.1}}", "knobs.kv_fraction: low 0.5 must be below high 0.1"),

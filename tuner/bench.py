@@ -127,11 +127,14 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
+SERVER_ENGINES = ("llamacpp", "vllm")  # engines that launch a server (this machine's builds run on CPU)
+
+
 def open_engine(config: TrialConfig, ignore_eos: bool, log_path: Any = None) -> tuple[Any, Any, Any]:
     """The engine for `config`, ready to start, with the tokenizer the workload needs: (engine, model, tokenizer).
     In-process engines load the model here (`model` is returned for the draft-output check and the roofline);
     a server engine prepares its files and argv, and `model` is None."""
-    if config.engine == "llamacpp":
+    if config.engine in SERVER_ENGINES:
         from tuner.engines import engine_for, get_engine_class
         from tuner.models import checkpoint_dir
         from tuner.quantize import load_tokenizer
@@ -187,7 +190,7 @@ def run_bench(
     from tuner.quantize import unsupported_reason
 
     options = options or BenchOptions()
-    device = "cpu" if config.engine == "llamacpp" else resolve_device(config.device)
+    device = "cpu" if config.engine in SERVER_ENGINES else resolve_device(config.device)
     out: dict[str, Any] = {"config": config.to_dict(), "workload": options.workload.to_dict(), "status": "ok",
                            "reason": None, "metrics": None}
     reason = unsupported_reason(config.quant, device) if config.engine == "transformers" else None
@@ -301,10 +304,11 @@ def draft_effect(model: Any, tokenizer: Any, config: TrialConfig, options: Bench
     from tuner.capacity import CapacitySearch
     from tuner.loadgen import run_load
 
-    if config.engine == "llamacpp":
-        from tuner.engines.llamacpp import LlamaCppEngine
+    if config.engine in SERVER_ENGINES:  # a second server of the same kind, without the draft
+        from tuner.engines import engine_for, get_engine_class
 
-        ref: Any = LlamaCppEngine(config.replace(draft="none"), ignore_eos=options.ignore_eos)
+        plain = config.replace(draft="none")
+        ref: Any = get_engine_class(engine_for(plain))(plain, ignore_eos=options.ignore_eos)
     else:
         from tuner.engines.assisted import AssistedEngine
 

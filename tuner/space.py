@@ -9,6 +9,8 @@ File format (every key optional except `knobs`):
       batch_cap:   {choices: [1, 2, 4, 8]}            # or {low: 1, high: 32, log: true}
       draft:       {choices: [none, "ngram:3"], when: {batch_cap: [1]}}   # else 'none'
       kv_fraction: {low: 0.005, high: 0.05, log: true, when: {draft: [none]}}  # else the baseline's (unused)
+      kv_type:     {choices: [auto, q8_0]}            # llamacpp only (-ctk/-ctv)
+    engine: llamacpp                                   # transformers (default) | llamacpp: who serves every trial
     baseline: {quant: fp32, batch_cap: 1, kv_fraction: 0.01, draft: none}
     workload: {requests: 120, input_len: "64:192", output_len: "32:48"}   # prompts; the capacity search picks rates
     quality:  {tasks: [arc_easy, piqa], limit: 50, max_limit: 200}
@@ -21,12 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tuner.config import FORMATS, TrialConfig, parse_draft
+from tuner.config import ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES, TrialConfig, parse_draft
 from tuner.errors import TunerError
 
-KNOBS = ("quant", "batch_cap", "draft", "kv_fraction")  # sampling order: a `when:` may name an earlier knob
-DEFAULTS: dict[str, Any] = {"quant": "bf16", "batch_cap": 1, "kv_fraction": 0.05, "draft": "none"}
-TOP_KEYS = {"knobs", "baseline", "workload", "quality", "capacity", "description"}
+KNOBS = ("quant", "batch_cap", "draft", "kv_fraction", "kv_type", "threads", "ubatch")  # sampling order: a `when:`
+# may name an earlier knob
+DEFAULTS: dict[str, Any] = {"quant": "bf16", "batch_cap": 1, "kv_fraction": 0.05, "draft": "none", "kv_type": "auto",
+                            "threads": 0, "ubatch": 0}
+# what each engine serves when the user changes nothing: the baseline every space measures first
+ENGINE_BASELINE: dict[str, dict[str, Any]] = {"transformers": {"quant": "fp32"}, "llamacpp": {"quant": "F16"}}
+TOP_KEYS = {"knobs", "baseline", "workload", "quality", "capacity", "description", "engine"}
 CAPACITY_KEYS = {"probe_requests", "max_probes", "timeout", "saturation_requests"}
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
 
@@ -55,24 +61,37 @@ class Space:
     quality: dict[str, Any]
     digest: str = ""  # sha256 of the file's text: a resumed study must use the same space
     capacity: dict[str, Any] = field(default_factory=dict)  # the capacity search's budget per trial
+    engine: str = "transformers"  # the engine every trial is served by
 
 
-def default_space_path(device: str) -> Path:
-    return SPACES_DIR / ("cuda.yaml" if device == "cuda" else "cpu.yaml")
+def default_space_path(device: str, engine: str = "transformers") -> Path:
+    dev = "cuda" if device == "cuda" else "cpu"
+    return SPACES_DIR / (f"{dev}.yaml" if engine == "transformers" else f"{engine}-{dev}.yaml")
 
 
 def _err(path: str, key: str, msg: str) -> TunerError:
     return TunerError(f"space file {path!r}: {key}: {msg}")
 
 
-def _check_value(path: str, key: str, knob: str, value: Any) -> Any:
+def _check_value(path: str, key: str, knob: str, value: Any, engine: str = "transformers") -> Any:
     """Validate one knob value, raising with the key path."""
     if knob == "quant":
-        if value not in FORMATS:
-            raise _err(path, key, f"unknown quantization format {value!r}: expected one of {', '.join(FORMATS)}")
+        allowed = FORMATS if engine == "transformers" else GGUF_TYPES
+        if value not in allowed:
+            raise _err(path, key, f"unknown quantization format {value!r} for engine {engine}: expected one of "
+                                  f"{', '.join(allowed)}")
+    elif knob == "kv_type":
+        if value not in KV_TYPES[engine]:
+            raise _err(path, key, f"KV type {value!r} is not accepted by engine {engine}: expected one of "
+                                  f"{', '.join(KV_TYPES[engine])}")
     elif knob == "batch_cap":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise _err(path, key, f"batch cap {value!r} is invalid: expected an integer >= 1")
+    elif knob in ("threads", "ubatch"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _err(path, key, f"{knob} {value!r} is invalid: expected an integer >= 0 (0 = the engine's default)")
+        if value and engine != "llamacpp":
+            raise _err(path, key, f"{knob} {value} is a llama.cpp knob: expected 0 with engine {engine}")
     elif knob == "kv_fraction":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise _err(path, key, f"KV fraction {value!r} is invalid: expected a number in (0, 1]")
@@ -84,7 +103,7 @@ def _check_value(path: str, key: str, knob: str, value: Any) -> Any:
     return value
 
 
-def _parse_knob(path: str, name: str, raw: Any, earlier: list[str]) -> Knob:
+def _parse_knob(path: str, name: str, raw: Any, earlier: list[str], engine: str) -> Knob:
     where = f"knobs.{name}"
     if name not in KNOBS:
         raise _err(path, where, f"unknown knob: expected one of {', '.join(KNOBS)}")
@@ -100,16 +119,17 @@ def _parse_knob(path: str, name: str, raw: Any, earlier: list[str]) -> Knob:
                                                       f"{name!r} ({', '.join(earlier) or 'none'})")
         if not isinstance(values, list) or not values:
             raise _err(path, f"{where}.when.{other}", "expected a non-empty list of values")
-        when[other] = tuple(_check_value(path, f"{where}.when.{other}[{i}]", other, v) for i, v in enumerate(values))
+        when[other] = tuple(_check_value(path, f"{where}.when.{other}[{i}]", other, v, engine)
+                            for i, v in enumerate(values))
     if "choices" in raw:
         choices = raw["choices"]
         if not isinstance(choices, list) or not choices:
             raise _err(path, f"{where}.choices", "expected a non-empty list")
-        vals = tuple(_check_value(path, f"{where}.choices[{i}]", name, v) for i, v in enumerate(choices))
+        vals = tuple(_check_value(path, f"{where}.choices[{i}]", name, v, engine) for i, v in enumerate(choices))
         if len(set(vals)) != len(vals):
             raise _err(path, f"{where}.choices", "duplicate values")
         return Knob(name, choices=vals, when=when)
-    if name in ("quant", "draft"):
+    if name in ("quant", "draft", "kv_type"):
         raise _err(path, where, "expected choices (a list)")
     if "low" not in raw or "high" not in raw:
         raise _err(path, where, "expected choices, or both low and high")
@@ -143,15 +163,18 @@ def load_space(path: str | Path) -> Space:
         raise _err(p, sorted(unknown)[0], f"unknown key: expected {', '.join(sorted(TOP_KEYS))}")
     if not isinstance(data.get("knobs"), dict) or not data["knobs"]:
         raise _err(p, "knobs", "expected a mapping of knob name to choices/range")
+    engine = data.get("engine", "transformers")
+    if engine not in ENGINE_NAMES:
+        raise _err(p, "engine", f"unknown engine {engine!r}: expected one of {', '.join(ENGINE_NAMES)}")
     order = [k for k in KNOBS if k in data["knobs"]] + [k for k in data["knobs"] if k not in KNOBS]
     knobs: dict[str, Knob] = {}
     for name in order:
-        knobs[name] = _parse_knob(p, name, data["knobs"][name], list(knobs))
-    baseline = dict(DEFAULTS, quant="fp32", batch_cap=1, draft="none")
+        knobs[name] = _parse_knob(p, name, data["knobs"][name], list(knobs), engine)
+    baseline = dict(DEFAULTS, batch_cap=1, draft="none", **ENGINE_BASELINE[engine])
     for key, value in (data.get("baseline") or {}).items():
         if key not in KNOBS:
             raise _err(p, f"baseline.{key}", f"unknown knob: expected one of {', '.join(KNOBS)}")
-        baseline[key] = _check_value(p, f"baseline.{key}", key, value)
+        baseline[key] = _check_value(p, f"baseline.{key}", key, value, engine)
     for name, knob in knobs.items():  # the baseline must be a point of the space, so Optuna can enqueue it
         v = baseline[name]
         if knob.choices is not None and v not in knob.choices:
@@ -165,7 +188,7 @@ def load_space(path: str | Path) -> Space:
     if unknown:
         raise _err(p, f"capacity.{sorted(unknown)[0]}", f"unknown key: expected {', '.join(sorted(CAPACITY_KEYS))}")
     return Space(p, knobs, baseline, dict(data.get("workload") or {}), dict(data.get("quality") or {}),
-                 hashlib.sha256(text.encode()).hexdigest(), dict(data.get("capacity") or {}))
+                 hashlib.sha256(text.encode()).hexdigest(), dict(data.get("capacity") or {}), engine)
 
 
 def restrict_to_device(space: Space, device: str) -> tuple[Space, list[str]]:
@@ -173,8 +196,8 @@ def restrict_to_device(space: Space, device: str) -> tuple[Space, list[str]]:
     from tuner.quantize import unsupported_reason
 
     knob = space.knobs.get("quant")
-    if knob is None or knob.choices is None:
-        return space, []
+    if knob is None or knob.choices is None or space.engine != "transformers":
+        return space, []  # llama.cpp runs every GGUF type on CPU
     keep, notes = [], []
     for q in knob.choices:
         reason = unsupported_reason(q, device)
@@ -184,13 +207,13 @@ def restrict_to_device(space: Space, device: str) -> tuple[Space, list[str]]:
             keep.append(q)
     knobs = dict(space.knobs, quant=Knob("quant", choices=tuple(keep), when=knob.when))
     return Space(space.path, knobs, space.baseline, space.workload, space.quality, space.digest,
-                 space.capacity), notes
+                 space.capacity, space.engine), notes
 
 
 def _suggest(trial: Any, knob: Knob) -> Any:
     if knob.choices is not None:
         return trial.suggest_categorical(knob.name, list(knob.choices))
-    if knob.name == "batch_cap":
+    if knob.name in ("batch_cap", "threads", "ubatch"):
         return trial.suggest_int(knob.name, int(knob.low), int(knob.high), log=knob.log)
     return trial.suggest_float(knob.name, knob.low, knob.high, log=knob.log)
 
@@ -204,4 +227,4 @@ def suggest_config(trial: Any, space: Space, model: str, device: str) -> TrialCo
         else:
             values[name] = DEFAULTS[name] if name == "draft" else space.baseline[name]
     merged = {k: values.get(k, space.baseline[k]) for k in KNOBS}
-    return TrialConfig(model=model, device=device, **merged)
+    return TrialConfig(model=model, device=device, engine=space.engine, **merged)

@@ -92,6 +92,7 @@ class Row:
     cost: float | None
     capacity: dict[str, Any] | None = None
     engine: str | None = None
+    launch: list[str] | None = None  # a server engine's exact argv, as `tuner export` writes it
 
     @property
     def feasible(self) -> bool:
@@ -119,7 +120,8 @@ def rows_from_study(study: Any) -> list[Row]:
         ua = t.user_attrs
         rows.append(Row(t.number, t.state.name, ua.get("config") or {}, ua.get("metrics") or {},
                         ua.get("quality") or {}, ua.get("constraints"), ua.get("reason"),
-                        ua.get("cost_per_million_tokens"), ua.get("capacity"), (ua.get("engine") or {}).get("name")))
+                        ua.get("cost_per_million_tokens"), ua.get("capacity"), (ua.get("engine") or {}).get("name"),
+                        ((ua.get("engine") or {}).get("info") or {}).get("exported_argv") or None))
     return rows
 
 
@@ -189,8 +191,10 @@ def gain_over(best: Row, base: Row | None) -> dict[str, Any]:
 
 
 def describe(c: dict[str, Any]) -> str:
-    return (f"{c.get('quant')} batch cap {c.get('batch_cap')}, kv {c.get('kv_fraction', 0):.3g}, "
-            f"draft {c.get('draft')}")
+    kv_type = f" ({c['kv_type']})" if c.get("kv_type", "auto") != "auto" else ""
+    extra = "".join(f", {k} {c[k]}" for k in ("threads", "ubatch") if c.get(k))
+    return (f"{c.get('quant')} batch cap {c.get('batch_cap')}, kv {c.get('kv_fraction', 0):.3g}{kv_type}, "
+            f"draft {c.get('draft')}{extra}")
 
 
 def statement(best: Row, base: Row | None, gain: dict[str, Any]) -> str:
@@ -250,12 +254,12 @@ def summary(r: Row) -> dict[str, Any]:
         "capacity": cap or None, "output_tokens_per_s": r.tok_s,
         "ttft_ms": m.get("ttft_ms"), "tpot_ms": m.get("tpot_ms"), "e2e_ms": m.get("e2e_ms"),
         "failed_requests": m.get("failed"), "quality": r.quality, "quality_verdict": gate.get("verdict"),
-        "cost_per_million_tokens": r.cost, "reason": r.reason,
+        "cost_per_million_tokens": r.cost, "reason": r.reason, "launch": r.launch,
     }
 
 
-CSV_FIELDS = ["number", "state", "feasible", "engine", "model", "quant", "batch_cap", "kv_fraction", "draft",
-              "device", "capacity_rps", "capacity_rps_low", "capacity_rps_high", "capacity_verdict",
+CSV_FIELDS = ["number", "state", "feasible", "engine", "model", "quant", "batch_cap", "kv_fraction", "kv_type", "draft",
+              "threads", "ubatch", "device", "capacity_rps", "capacity_rps_low", "capacity_rps_high", "capacity_verdict",
               "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms",
               "e2e_p50_ms", "e2e_p99_ms", "failed", "peak_rss_mb", "peak_cuda_mb", "quality_score",
               "quality_stderr", "drop_pp", "drop_upper_pp", "quality_verdict", "kld_mean",
@@ -277,6 +281,7 @@ def trials_csv(rows: list[Row]) -> str:
         w.writerow({
             "number": r.number, "state": r.state, "feasible": r.feasible, "engine": r.engine,
             **{k: c.get(k) for k in ("model", "quant", "batch_cap", "kv_fraction", "draft", "device")},
+            "kv_type": c.get("kv_type", "auto"), "threads": c.get("threads", 0), "ubatch": c.get("ubatch", 0),
             "capacity_rps": r.rps if r.capacity else None, "capacity_rps_low": lo if r.capacity else None,
             "capacity_rps_high": hi if r.capacity else None, "capacity_verdict": (r.capacity or {}).get("verdict"),
             "output_tokens_per_s": r.tok_s if r.capacity else None,

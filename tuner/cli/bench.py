@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                    "already exceeded, e.g. 'ttft:p99<300ms'")
     g.add_argument("--json", metavar="FILE", help="write {config, metrics, ...} as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--server-log", metavar="FILE", help="a server engine's output goes to FILE (appended; default: a "
+                                                        "temporary log removed at exit)")
     add_capacity_args(p)
 
 
@@ -134,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     spec = workload_from_args(args)
     out_path = check_output_path(args.json)
+    server_log = check_output_path(args.server_log, "--server-log")
     slo = parse_goodput(args.goodput)
     if args.timeout <= 0:
         raise TunerError(f"--timeout {args.timeout} is invalid: expected seconds > 0")
@@ -166,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
 
         hf_logging.disable_progress_bar()
     opts = BenchOptions(workload=spec, slo_ms=slo, timeout_s=args.timeout, ignore_eos=not args.respect_eos,
-                        measure_bandwidth=not args.no_bandwidth, progress=not args.quiet, capacity=capacity)
+                        measure_bandwidth=not args.no_bandwidth, progress=not args.quiet, capacity=capacity,
+                        log_path=server_log)
     result = run_bench(config, opts, should_stop)
     if result["status"] == "unsupported":
         raise TunerError(result["reason"])

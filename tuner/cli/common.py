@@ -25,6 +25,8 @@ def add_config_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--kv-fraction", type=float,
                    help="fraction of free memory the KV cache may take, in (0, 1] (default 0.05)")
     g.add_argument("--draft", help="none | ngram:K | draft:<model>:K | early-exit:L (default none)")
+    g.add_argument("--threads", type=int, help="llamacpp: -t, decoding threads (default 0 = the server's default)")
+    g.add_argument("--ubatch", type=int, help="llamacpp: -ub, tokens per prompt step (default 0 = the server's 512)")
     g.add_argument("--device", help="auto | cpu | cuda (default auto)")
     g.add_argument("--config", metavar="FILE", help="take the configuration from a JSON file (bench or export JSON)")
 
@@ -62,7 +64,8 @@ def recorded_workload(path: str | None) -> dict[str, Any]:
     return {k: v for k, v in w.items() if k in WORKLOAD_DEFAULTS} if isinstance(w, dict) else {}
 
 
-CONFIG_FLAGS = ("model", "engine", "quant", "batch_cap", "kv_fraction", "kv_type", "draft", "device")
+CONFIG_FLAGS = ("model", "engine", "quant", "batch_cap", "kv_fraction", "kv_type", "draft", "device", "threads",
+                "ubatch")
 
 
 def config_from_args(args: argparse.Namespace) -> TrialConfig:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tuner.config import DEVICES, FORMATS
+from tuner.config import DEVICES, ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +26,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "and KL divergence against the fp32 model of the same weights, and a gate on a "
                                    "quality budget. Results are cached.")
     p.add_argument("--model", required=True, help="alias (see `tuner models`), checkpoint directory or .gguf file")
-    p.add_argument("--quant", default="bf16", metavar="FORMAT", help=f"quantization format: {', '.join(FORMATS)}")
+    p.add_argument("--engine", default="transformers", metavar="ENGINE",
+                   help=f"engine whose served model is scored: {' | '.join(ENGINE_NAMES)} (default transformers; "
+                        "llamacpp: the exact GGUF and KV type, by llama-perplexity)")
+    p.add_argument("--quant", default=None, metavar="FORMAT",
+                   help=f"transformers: {', '.join(FORMATS)} (default bf16); llamacpp: {', '.join(GGUF_TYPES)} "
+                        "(default F16)")
+    p.add_argument("--kv-type", default="auto", help=f"KV-cache type, llamacpp: {', '.join(KV_TYPES['llamacpp'])}")
     p.add_argument("--tasks", default=None,
                    help=f"comma-separated tasks from evals/ (default: {','.join(DEFAULT_SUITE)})")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help=f"items per task (default {DEFAULT_LIMIT})")
@@ -58,14 +64,18 @@ def format_table(res: dict[str, Any]) -> str:
     line, KLD, and the gate line when there is one."""
     cfg = res["config"]
     limit = "- (lm-eval skipped)" if res["limit"] is None else res["limit"]
+    engine = cfg.get("engine", "transformers")
     head = f"{cfg['model']}  {cfg['quant']}  limit {limit}  seed {res['seed']}"
+    if engine != "transformers":
+        head = f"{cfg['model']}  {engine} {cfg['quant']} KV {cfg.get('kv_type', 'auto')}  limit {limit}  seed {res['seed']}"
+    base_name = "F32" if engine == "llamacpp" else "fp32"
     if res.get("cached"):
         head += "  (cached)"
     lines = [head]
     paired = res.get("paired")
     if "tasks" in res and paired is not None:
         conf = f"{paired['confidence']:g}"
-        lines.append(f"{'task':<16}{'metric':<10}{'acc':>8}   {'± stderr':<9}{'n':>6}{'fp32':>8}{'drop pp':>9}"
+        lines.append(f"{'task':<16}{'metric':<14}{'acc':>8}   {'± stderr':<9}{'n':>6}{base_name:>8}{'drop pp':>9}"
                      f"  {'[lower, upper] @' + conf:<20}{'McNemar p':>10}")
         for name, t in res["tasks"].items():
             base = res["baseline_tasks"].get(name, {}).get("acc")
@@ -73,14 +83,14 @@ def format_table(res: dict[str, Any]) -> str:
             pt = paired["tasks"].get(name)
             pair = (f"{_pp(pt['drop_pp']):>9}  {'[' + _pp(pt['ci_pp'][0]) + ', ' + _pp(pt['ci_pp'][1]) + ']':<20}"
                     f"{pt['mcnemar_p']:>10.3f}") if pt else f"{'':>9}  {'(no paired items)':<20}"
-            lines.append(f"{name:<16}{t['metric']:<10}{t['acc']:>8.4f}   ± {t['acc_stderr']:<7.4f}{t['n']:>6}"
+            lines.append(f"{name:<16}{t['metric']:<14}{t['acc']:>8.4f}   ± {t['acc_stderr']:<7.4f}{t['n']:>6}"
                          f"{base_s}{pair}")
         ci = paired["ci_pp"]
-        lines.append(f"{'suite (mean)':<26}{res['score']:>8.4f}   ± {res['score_stderr']:<7.4f}{paired['items']:>6}"
+        lines.append(f"{'suite (mean)':<30}{res['score']:>8.4f}   ± {res['score_stderr']:<7.4f}{paired['items']:>6}"
                      f"{res['baseline_score']:>8.4f}{_pp(paired['drop_pp']):>9}  "
                      f"{'[' + _pp(ci[0]) + ', ' + _pp(ci[1]) + ']':<20}"
                      f"  discordance {paired['discordance'] * 100:.1f}%")
-    lines.append(f"KLD vs fp32 over {res['kld_tokens']} tokens: mean {res['kld_mean']:.5f} ± {res['kld_mean_stderr']:.5f}"
+    lines.append(f"KLD vs {base_name} over {res['kld_tokens']} tokens: mean {res['kld_mean']:.5f} ± {res['kld_mean_stderr']:.5f}"
                  f"  p99 {res['kld_p99']:.4f}  top-1 agreement {res['top1_agree'] * 100:.2f}%")
     gate = res.get("gate")
     if gate is not None:
@@ -134,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         os.environ["TUNER_RESULTS"] = str(Path(args.results_dir).expanduser())
     from tuner.quality import gated_quality, paired_comparison, score_quality
 
-    config = TrialConfig(model=args.model, quant=args.quant, device=args.device)
+    quant = args.quant or ("F16" if args.engine == "llamacpp" else "bf16")
+    config = TrialConfig(model=args.model, engine=args.engine, quant=quant, kv_type=args.kv_type, device=args.device)
     if args.max_quality_drop is None:
         result = score_quality(config, args.tasks, args.limit, args.seed, kld_tokens=args.kld_tokens)
         res = result.to_dict()

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from tuner.config import TrialConfig
     from tuner.errors import TunerError
     from tuner.export import Context, export
-    from tuner.export.locate import checkpoint_params, locate
+    from tuner.export.locate import checkpoint_params, locate, measured_settings
     from tuner.export.write import check_path, plan, render, write_files
 
     if args.gpu_memory_gib <= 0:
@@ -62,11 +62,7 @@ def run(args: argparse.Namespace) -> int:
             raise TunerError("--trial/--best select a trial of --study; they do not apply to --config")
         config, ctx_kw = _from_file(args.config, TrialConfig)
     paths = locate(config, args.model_path)
-    settings = (ctx_kw.get("engine") or {}).get("settings") or {}
-    if config.engine == "llamacpp":  # what the measurement resolved and served, so the export is that argv
-        ctx_kw["ctx_tokens"] = settings.get("ctx_tokens")
-        if settings.get("gguf") and Path(settings["gguf"]).is_file() and not args.model_path:
-            paths["served_gguf"] = settings["gguf"]
+    ctx_kw.update(measured_settings(config, ctx_kw.get("engine"), paths, args.model_path))
     ctx = Context(paths=paths, gpu_memory_gib=args.gpu_memory_gib, params=checkpoint_params(config.model),
                   **ctx_kw)
     exp = export(args.to, config, ctx)

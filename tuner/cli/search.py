@@ -44,7 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trial-memory", metavar="GB", type=float,
                    help="memory limit of one trial's child process, in GB (2^30 bytes) of address space "
                         "(RLIMIT_AS; CPU only): a config that needs more fails as out of memory (default: none)")
-    p.add_argument("--space", help="search space YAML (default: search_spaces/cpu.yaml or cuda.yaml)")
+    p.add_argument("--space", help="search space YAML (default: search_spaces/cpu.yaml or cuda.yaml; with --engine "
+                                   "llamacpp, llamacpp-cpu.yaml)")
+    p.add_argument("--engine", help="serving engine of every trial: transformers | llamacpp (default: the space "
+                                    "file's, else transformers)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--storage", help="Optuna storage URL: sqlite:///FILE, postgresql://USER@HOST:PORT/DB (default "
                                      "sqlite:///RESULTS_DIR/tuner.db)")
@@ -93,7 +96,23 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
     if args.trial_memory is not None and device == "cuda":
         raise TunerError(f"--trial-memory {args.trial_memory:g} is invalid on CUDA: the address-space limit would "
                          "also cap the CUDA driver's mappings; expected no --trial-memory with --device cuda")
-    space, notes = restrict_to_device(load_space(args.space or default_space_path(device)), device)
+    from tuner.config import ENGINE_NAMES
+
+    if args.engine is not None and args.engine not in ENGINE_NAMES:
+        raise TunerError(f"unknown engine {args.engine!r}: expected one of {', '.join(ENGINE_NAMES)}")
+    space, notes = restrict_to_device(load_space(args.space or default_space_path(device, args.engine or
+                                                                                 "transformers")), device)
+    if args.engine is not None and space.engine != args.engine:
+        raise TunerError(f"--engine {args.engine} conflicts with space file {space.path!r} (engine {space.engine}): "
+                         "expected the same engine, or no --engine")
+    if space.engine == "llamacpp":
+        if device == "cuda":
+            raise TunerError("--engine llamacpp runs on CPU here (the llama-server build has no CUDA): expected "
+                             "--device cpu or auto")
+        from tuner.engines.llamacpp import binary, source_gguf
+
+        binary("llama-server")
+        source_gguf(args.model)
     from tuner.cli.bench import capacity_settings
 
     cap = capacity_settings(args, space.capacity, f"space file {space.path!r}: capacity")
@@ -220,7 +239,10 @@ def run(args: argparse.Namespace, join: bool = False) -> int:
 
 
 def _cfg(c: dict[str, Any]) -> str:
-    return f"{c.get('quant')} cap={c.get('batch_cap')} kv={c.get('kv_fraction', 0):.3g} draft={c.get('draft')}"
+    kv_type = f"/{c['kv_type']}" if c.get("kv_type", "auto") != "auto" else ""
+    extra = "".join(f" {k}={c[k]}" for k in ("threads", "ubatch") if c.get(k))
+    return (f"{c.get('quant')} cap={c.get('batch_cap')} kv={c.get('kv_fraction', 0):.3g}{kv_type} "
+            f"draft={c.get('draft')}{extra}")
 
 
 def _ci(ci: Any, digits: int = 3) -> str:
@@ -237,11 +259,12 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
              f"{'; '.join(a['constraints'])}"]
     if a["pareto_front"]:
         lines.append("feasible Pareto front (capacity max, quality max):")
-        lines.append(f"  {'trial':>5}  {'config':<42}{'engine':<24}{'req/s':>8}{'interval':>18}{'tok/s':>8}"
+        w = max([42] + [len(_cfg(s["config"])) + 2 for s in a["pareto_front"]])
+        lines.append(f"  {'trial':>5}  {'config':<{w}}{'engine':<24}{'req/s':>8}{'interval':>18}{'tok/s':>8}"
                      f"{'quality':>9}{'drop pp':>9}")
         for s in a["pareto_front"]:
             q = s["quality"] or {}
-            lines.append(f"  {s['trial']:>5}  {_cfg(s['config']):<42}{s.get('engine') or '?':<24}"
+            lines.append(f"  {s['trial']:>5}  {_cfg(s['config']):<{w}}{s.get('engine') or '?':<24}"
                          f"{s['capacity_requests_per_s']:>8.3f}{_ci(s['capacity_ci']):>18}"
                          f"{s['output_tokens_per_s']:>8.1f}{_num(q.get('score'), 3):>9}{_num(q.get('drop_pp'), 2):>9}")
     rec = a.get("recommendation")
@@ -252,6 +275,10 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
                      f"({base.get('capacity_verdict')})")
     if rec:
         lines.append(f"RECOMMENDED: {rec['statement']}")
+        if rec.get("launch"):
+            import shlex
+
+            lines.append(f"  launch (exactly what was measured): {shlex.join(rec['launch'])}")
         lines.append(f"  binding constraint: {rec['binding_constraint']}")
         if rec.get("indistinguishable_from"):
             lines.append(f"  not distinguishable from trial(s) {', '.join(map(str, rec['indistinguishable_from']))}"

@@ -14,6 +14,7 @@ ENGINES: dict[str, str] = {
     "transformers-cb": "tuner.engines.transformers_cb:ContinuousBatchingEngine",
     "transformers-assisted": "tuner.engines.assisted:AssistedEngine",
     "llamacpp": "tuner.engines.llamacpp:LlamaCppEngine",
+    "vllm": "tuner.engines.vllm:VllmEngine",
 }
 
 
@@ -29,8 +30,8 @@ def get_engine_class(name: str) -> Any:
 def engine_for(config: Any) -> str:
     """The engine that serves a config: llama.cpp's server for engine llamacpp; on transformers, drafts go through
     assisted generation, the rest through CB."""
-    if config.engine == "llamacpp":
-        return "llamacpp"
+    if config.engine in ("llamacpp", "vllm"):
+        return config.engine
     return "transformers-assisted" if config.draft != "none" else "transformers-cb"
 
 
@@ -39,10 +40,13 @@ def availability() -> list[dict[str, Any]]:
     import importlib.util
 
     from tuner.engines.llamacpp import availability as llamacpp
+    from tuner.engines.vllm import availability as vllm
 
     ok = importlib.util.find_spec("transformers") is not None
     rows = [{"engine": "transformers", "available": ok,
              "detail": "in-process continuous batching / assisted generation" if ok else "pip install transformers"}]
     ok, why = llamacpp()
     rows.append({"engine": "llamacpp", "available": ok, "detail": why})
+    ok, why = vllm()
+    rows.append({"engine": "vllm", "available": ok, "detail": why})
     return rows

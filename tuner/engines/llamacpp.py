@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from tuner.config import TrialConfig
-from tuner.engines.base import Capabilities, Engine, TokenSink
+from tuner.engines.base import Capabilities
 from tuner.engines.http import Event, StreamingClient
-from tuner.engines.server import ServerFailed, ServerProcess, free_port
+from tuner.engines.server_engine import ServerEngine
 from tuner.errors import TunerError, UnsupportedConfig
 
 COMMIT = "0c1e57098"
@@ -156,19 +156,14 @@ class LlamaCppClient(StreamingClient):
         return int(t.get("draft_n") or 0), int(t.get("draft_n_accepted") or 0)
 
 
-class LlamaCppEngine(Engine):
+class LlamaCppEngine(ServerEngine):
     def __init__(self, config: TrialConfig, ignore_eos: bool = True, log_path: Path | None = None) -> None:
         if config.engine != "llamacpp":
             raise TunerError(f"LlamaCppEngine got a config of engine {config.engine!r}: expected llamacpp")
-        self.config, self.ignore_eos, self.log_path = config, ignore_eos, log_path
-        self.server: ServerProcess | None = None
-        self.client: LlamaCppClient | None = None
-        self.argv: list[str] = []
-        self.exported_argv: list[str] = []  # what `tuner export --to llamacpp` writes; argv = it + the binary path
+        super().__init__(config, ignore_eos, log_path)
         self.gguf: Path | None = None
         self.facts: dict[str, Any] = {}
         self.ctx_tokens: int | None = None
-        self.prepare_s: float | None = None
 
     def prepare(self) -> None:
         """Quantize (cached) and resolve the argv; raises UnsupportedConfig / TunerError."""
@@ -207,70 +202,12 @@ class LlamaCppEngine(Engine):
         return Capabilities("llamacpp", streaming=True, max_concurrency=self.config.batch_cap,
                             supports_draft=True, settings=self.settings())
 
-    def start(self) -> None:
-        if not self.argv:
-            self.prepare()
-        port = free_port()
-        self.server = ServerProcess(self.argv + ["--host", "127.0.0.1", "--port", str(port)], port,
-                                    log_path=self.log_path)
-        try:
-            self.server.start()
-        except ServerFailed:
-            self.server.stop()
-            raise
-        self.client = LlamaCppClient(self.server.url, self.ignore_eos)
-        self.client.open()
-
-    def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int, sink: TokenSink) -> None:
-        if self.client is None:
-            sink.on_finish("engine not started")
-            return
-        self.client.submit(request_id, prompt_ids, max_tokens, _DeathAware(sink, self.server))
-
-    def stop(self, drain: bool = True) -> None:
-        try:
-            if self.client is not None:
-                self.client.close(drain=drain)
-        finally:
-            self.client = None
-            if self.server is not None:
-                self.server.stop()
-
-    def request_timings(self) -> dict[str, dict[str, Any]]:
-        return {rid: f.get("timings") or {} for rid, f in (self.client.finals if self.client else {}).items()}
-
     def weights_bytes(self) -> int | None:
         return self.facts.get("size_bytes")
 
+    def make_client(self, base_url: str) -> LlamaCppClient:
+        return LlamaCppClient(base_url, self.ignore_eos)
+
     def info(self) -> dict[str, Any]:
-        s = self.server
-        return {"build": f"llama.cpp {COMMIT}", "argv": self.argv, "exported_argv": self.exported_argv,
-                "startup_s": s.startup_s if s else None, "prepare_s": self.prepare_s,
-                "ctx_tokens": self.ctx_tokens, "gguf": {**self.facts, "path": str(self.gguf)},
-                "log": str(self.log_path) if self.log_path else None,
-                "pid": s.proc.pid if s and s.proc else None}
-
-    def server_pids(self) -> list[int]:
-        return [self.server.proc.pid] if self.server and self.server.proc and self.server.alive() else []
-
-
-class _DeathAware:
-    """Wraps a sink so a request that fails because the server died says so (with the server's last error)."""
-
-    def __init__(self, sink: TokenSink, server: ServerProcess | None) -> None:
-        self.sink, self.server = sink, server
-
-    def on_tokens(self, token_ids: list[int], engine_time_s: float | None) -> None:
-        self.sink.on_tokens(token_ids, engine_time_s)
-
-    def on_finish(self, error: str | None, draft_proposed: int = 0, draft_accepted: int = 0) -> None:
-        if error and self.server is not None:
-            if not error.startswith("HTTP ") and self.server.proc is not None:
-                try:  # a reset connection may be seen a moment before the exit status is
-                    self.server.proc.wait(timeout=1.0)
-                except Exception:
-                    pass
-            died = self.server.death_reason()
-            if died:
-                error = f"{died} ({error})"
-        self.sink.on_finish(error, draft_proposed, draft_accepted)
+        return {"build": f"llama.cpp {COMMIT}", **self.launch_info(), "ctx_tokens": self.ctx_tokens,
+                "gguf": {**self.facts, "path": str(self.gguf)}}

@@ -67,6 +67,7 @@ class ServerProcess:
         self.last_lines: list[str] = []
         self._log_file: Any = None
         self._owned_log = False  # a temporary log made here is removed at stop (its last lines are read before)
+        self._log_start = 0  # where this server's output begins in a shared (appended) log
 
     @property
     def url(self) -> str:
@@ -76,6 +77,7 @@ class ServerProcess:
         if self.log_path is None or not self.log_path.is_file():
             return self.last_lines[-n:]
         with open(self.log_path, errors="replace") as f:
+            f.seek(self._log_start)
             return [ln.rstrip("\n") for ln in deque(f, maxlen=n)]
 
     def start(self) -> float:
@@ -91,6 +93,7 @@ class ServerProcess:
             os.close(fd)
             self.log_path, self._owned_log = Path(name), True
         self._log_file = open(self.log_path, "ab")
+        self._log_start = self._log_file.seek(0, os.SEEK_END)
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
                                      stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})},
@@ -130,13 +133,30 @@ class ServerProcess:
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after `grace_s`; idempotent. Keeps `last_lines` of the log."""
         proc = self.proc
+        kids: list[Any] = []
         if proc is not None and proc.poll() is None:
+            try:  # what the server started (vLLM: its engine core and workers), stopped with it
+                import psutil
+
+                kids = psutil.Process(proc.pid).children(recursive=True)
+            except Exception:
+                kids = []
             proc.terminate()
             try:
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        if kids:
+            import psutil
+
+            _, alive = psutil.wait_procs(kids, timeout=grace_s)
+            for k in alive:
+                try:
+                    k.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(alive, timeout=5)
         self._close_log()
         if self._owned_log and self.log_path is not None:
             self.last_lines = self.tail()

@@ -78,6 +78,7 @@ class Context:
     gpu_memory_gib: float = DEFAULT_GPU_GIB
     params: float | None = None  # parameter count of a checkpoint directory (read from its safetensors headers)
     ctx_tokens: int | None = None  # llama.cpp: the server's -c as resolved when the trial was measured
+    kv_cache_gib: int | None = None  # vLLM CPU: VLLM_CPU_KVCACHE_SPACE as resolved when the trial was measured
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,9 @@ def kv_ctx_tokens(config: TrialConfig, ctx: Context) -> tuple[int, str]:
                           f" gives each of the {n} slots {SLOT_CTX} tokens")
 
 
+UBATCH_LOGICAL = 2048  # llama-server's default -b
+
+
 def export_native(config: TrialConfig, ctx: Context) -> Export:
     """A config of engine llamacpp: the argv tuner's llama.cpp engine launches (plus --host/--port), unchanged."""
     notes = [engine_note(ctx, ENGINE, same=True)]
@@ -111,6 +114,13 @@ def export_native(config: TrialConfig, ctx: Context) -> Export:
         notes.append(Note(MAPPED, "draft", f"{draft} -> -md {dgguf} ({dorigin}), --spec-draft-n-max {draft.tokens}"))
     else:
         notes.append(Note(MAPPED, "draft", "none -> no --spec-type"))
+    if config.threads:
+        argv += ["-t", str(config.threads)]
+        notes.append(Note(MAPPED, "threads", f"{config.threads} -> -t {config.threads}"))
+    if config.ubatch:  # the logical batch (-b, default 2048) must hold the physical one
+        argv += ["-ub", str(config.ubatch), "-b", str(max(UBATCH_LOGICAL, config.ubatch))]
+        notes.append(Note(MAPPED, "ubatch", f"{config.ubatch} -> -ub {config.ubatch} -b "
+                                            f"{max(UBATCH_LOGICAL, config.ubatch)} (tokens per prompt step)"))
     argv += ["-ngl", "0"] + (["-ngld", "0"] if draft.kind == "draft" else [])
     notes.append(Note(MAPPED, "device", "cpu -> -ngl 0 (no layer offloaded to a GPU)"))
     notes.append(Note(INFO, "serving", "tuner adds only --host 127.0.0.1 --port <free port> when it launches this"))

