@@ -7,6 +7,7 @@ Nothing is ever downloaded from a model hub.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -76,6 +77,13 @@ def alias_gguf(name: str) -> Path:
 
 
 def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 of a file's bytes, read once per process while its size and mtime stay the same."""
+    st = Path(path).stat()
+    return _file_sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, chunk)
+
+
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int, chunk: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):

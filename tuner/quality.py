@@ -127,6 +127,11 @@ def library_versions(quant: str) -> dict[str, str]:
     lib = _FORMAT_LIBS.get(quant.split("-")[0])
     if lib:
         names.append(lib)
+    return package_versions(names)
+
+
+def package_versions(names: list[str]) -> dict[str, str]:
+    """Installed version of each distribution ("missing" when absent)."""
     out = {}
     for name in names:
         try:
@@ -622,21 +627,20 @@ def gated_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
     names = check_inputs(config, tasks, limit, seed, kld_tokens)
     screen = None
     if max_kld is not None:
+        model_hash = source_hash(resolve_source(config.model))
         if config.engine == "vllm":  # the top-K KLD comes with the endpoint's scoring: no cheaper screen
             res0 = score_quality(config, names, limit, seed, kld_tokens=kld_tokens, progress=progress)
             kld, kld_cached = KLDResult(res0.kld_mean, res0.kld_mean_stderr, res0.kld_p99, res0.top1_agree,
                                         res0.kld_tokens), res0.cached
-            model_hash, versions = res0.model_hash, res0.versions
+            versions = res0.versions
         elif config.engine == "llamacpp":
-            from tuner.engines.llamacpp import source_gguf
-            from tuner.models import file_sha256
             from tuner.quality_llamacpp import score_kld as score_served_kld
             from tuner.quality_llamacpp import versions as served_versions
 
-            model_hash, versions = file_sha256(source_gguf(config.model))[:16], served_versions()
+            versions = served_versions()
             kld, kld_cached = score_served_kld(config, model_hash, kld_tokens, progress)
         else:
-            model_hash, versions = source_hash(resolve_source(config.model)), library_versions(config.quant)
+            versions = library_versions(config.quant)
             kld, kld_cached = score_kld(config, model_hash, kld_tokens, versions, progress)
         screen = {"kld_mean": kld.mean, "max_kld": float(max_kld), "passed": kld.mean <= max_kld}
         if not screen["passed"]:

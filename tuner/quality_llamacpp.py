@@ -30,7 +30,6 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -297,14 +296,9 @@ def baseline_config(config: TrialConfig) -> TrialConfig:
 
 def versions() -> dict[str, str]:
     from tuner.engines.llamacpp import COMMIT
+    from tuner.quality import package_versions
 
-    out = {"llama.cpp": COMMIT}
-    for name in ("lm_eval", "datasets"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "missing"
-    return out
+    return {"llama.cpp": COMMIT, **package_versions(["lm_eval", "datasets"])}
 
 
 def check_available(names: tuple[str, ...] = ()) -> None:
@@ -326,12 +320,13 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
                   progress: bool = True) -> Any:
     """QualityResult of `config` on llama.cpp (tasks by llama-perplexity, drop vs F32/f32, KLD), through the cache."""
     from tuner.engines.llamacpp import quantized_gguf, source_gguf
-    from tuner.models import file_sha256
+    from tuner.models import resolve_source, source_hash
     from tuner.quality import assemble_result, cache_path, cached_result, store_result
 
     t0 = time.perf_counter()
     check_available(names)
-    model_hash = file_sha256(source_gguf(config.model))[:16]
+    source_gguf(config.model)  # llama.cpp serves GGUF files: a checkpoint directory is refused here
+    model_hash = source_hash(resolve_source(config.model))
     vers = versions()
     key = {"schema": 2, "engine": "llamacpp", "model_hash": model_hash, "quant": f"llamacpp-{config.quant}-"
            f"{config.kv_type}", "tasks": sorted(names), "limit": limit, "seed": seed, "kld_tokens": kld_tokens,

