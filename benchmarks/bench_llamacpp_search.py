@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 MODEL = "smollm2-135m"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_capacity import machine_gflops  # noqa: E402  (one home for the machine-speed probe)
 
 
 def tuner(*args: str) -> subprocess.CompletedProcess:
@@ -40,6 +42,7 @@ def main() -> int:
     args = p.parse_args()
     results = Path(args.results_dir or tempfile.mkdtemp(prefix="tuner-llamacpp-search-"))
     tasks, limit, max_limit = args.quality.split(":")
+    print(f"machine {machine_gflops():.0f} GFLOP/s before the search", flush=True)
     t0 = time.perf_counter()
     proc = tuner("search", "--engine", "llamacpp", "--model", MODEL, "--latency-target", args.target,
                  "--latency-metric", args.metric, "--trials", str(args.trials), "--results-dir", str(results),
@@ -72,6 +75,7 @@ def main() -> int:
     again = []
     for i in range(args.repeats):
         out = results / f"again-{i}.json"
+        gflops = machine_gflops()
         pb = tuner("bench", "--config", str(export), "--capacity", "--json", str(out), "--quiet", "--no-bandwidth",
                    "--probe-requests", f"{probe[0]}:{probe[1]}", "--max-probes", str(max_probes),
                    "--capacity-timeout", "10m")  # the search's capacity budget (search_spaces/llamacpp-cpu.yaml)
@@ -80,7 +84,8 @@ def main() -> int:
             continue
         c = json.loads(out.read_text())["metrics"]["capacity"]
         again.append(c["requests_per_s"])
-        print(f"    run {i + 1}: {c['requests_per_s']:.3f} req/s {c['requests_per_s_ci']} {c['verdict']}", flush=True)
+        print(f"    run {i + 1}: {c['requests_per_s']:.3f} req/s {c['requests_per_s_ci']} {c['verdict']}  (machine {gflops:.0f} GFLOP/s before)",
+              flush=True)
     if again:
         med = statistics.median(again)
         dev = (med - figure) / figure * 100 if figure else float("nan")

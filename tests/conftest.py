@@ -33,3 +33,57 @@ def assert_one_line_error(proc, *needles: str) -> None:
 @pytest.fixture
 def tuner_cli():
     return run_tuner
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(argv: list[str], port: int, log: Path, timeout_s: float, env: dict | None = None):
+    """A server the test itself starts (not through tuner), ready when its /health answers 200."""
+    import time
+    import urllib.request
+
+    import pytest
+
+    proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    stop_server(proc)
+    pytest.fail(f"server not ready in {timeout_s:.0f} s: {log.read_text()[-2000:]}")
+
+
+def stop_server(proc) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+
+
+def start_llama_server(log: Path, slots: int = 2, api_key: str | None = None):
+    """llama-server (from `make llamacpp`) on the bundled SmolLM2 GGUF, started by the test: (process, base URL)."""
+    from tuner.engines.llamacpp import binary, source_gguf
+
+    port = free_port()
+    argv = [str(binary("llama-server")), "-m", str(source_gguf("smollm2-135m")), "-np", str(slots), "-c",
+            str(1024 * slots), "--port", str(port)] + (["--api-key", api_key] if api_key else [])
+    return start_server(argv, port, log, 60), f"http://127.0.0.1:{port}"

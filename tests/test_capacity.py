@@ -44,6 +44,15 @@ def test_finds_a_known_service_rate_within_tolerance():
     assert cap["warmup"]["n"] == 2 and cap["warmup"]["failed"] == 0
 
 
+def test_a_wide_batch_cap_still_gets_its_rate_probes():
+    """vLLM's default 128 sequences: the warm-up (128) and the saturation probe (beyond 128 in flight) alone exceed a
+    small request budget; the budget caps the rate probes, so the search still brackets a capacity."""
+    cap = search(FakeEngine(servers=32, prefill_s=0.002, token_s=0.001), SLO(tuple(parse_slo("e2e:p90<500ms"))),
+                 max_requests=60, max_probes=2, saturation_requests=96)
+    assert cap["warmup"]["n"] == 32 and cap["saturation"]["n"] == 96
+    assert cap["cost"]["probes"] >= 1 and cap["verdict"] == "meets" and cap["requests_per_s"] > 0
+
+
 def test_a_tight_ttft_bound_lowers_capacity():
     # a TTFT below two prefills means no request may wait behind another: capacity well under the service rate
     engine = FakeEngine(servers=1, prefill_s=0.03, token_s=0.005)

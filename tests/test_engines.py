@@ -98,3 +98,32 @@ class TestVllm(EngineContract):
 
         pids = engine.server_pids()
         return pids + [c.pid for p in pids for c in psutil.Process(p).children(recursive=True)]
+
+
+class TestEndpoint(EngineContract):
+    """A server tuner did not launch (`--endpoint URL`): a llama-server with 2 slots that the test starts itself and
+    reaches only through its OpenAI-compatible /v1/completions. Token ids are not on that wire (counts are), and
+    stopping the engine must leave the server alone: it is not the tuner's."""
+
+    name = "endpoint"
+
+    @pytest.fixture(autouse=True, scope="class")
+    def server(self, tmp_path_factory):
+        from tests.conftest import start_llama_server, stop_server
+
+        proc, url = start_llama_server(tmp_path_factory.mktemp("endpoint") / "server.log", slots=2)
+        type(self).url = url
+        yield proc
+        assert proc.poll() is None  # every engine.stop() left it serving
+        stop_server(proc)
+
+    def make_engine(self, batch_cap: int):
+        from tuner.config import ENDPOINT_QUANT
+        from tuner.engines.endpoint import EndpointEngine
+
+        assert batch_cap == 2, "the test's server has 2 slots"
+        return EndpointEngine(TrialConfig(model=MODEL, engine="endpoint", quant=ENDPOINT_QUANT, batch_cap=batch_cap,
+                                          endpoint=self.url))
+
+    def tokenizer(self):
+        return _tokenizer()

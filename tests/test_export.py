@@ -520,3 +520,28 @@ def test_tgi_memory_fraction_undoes_its_safety_factor():
     argv = do_export("tgi", c).argv
     flag = float(argv[argv.index("--cuda-memory-fraction") + 1])
     assert flag * 0.90 >= share and (flag - 0.01) * 0.90 < share
+
+
+def test_vllm_engine_knobs_become_flags_the_pinned_vllm_accepts() -> None:
+    """vLLM's own knobs (batched tokens, prefix caching, chunked prefill, reserved CPUs) reach the command line and
+    the environment only when set, as flags vLLM 0.27.1's parser accepts; the YAML file says the same (vLLM's config
+    loader turns `key: true` into `--key`)."""
+    accepted = read_list("vllm-0.27.1.txt")
+    base = TrialConfig("smollm2-135m", "bf16", 4, 0.05, "none", "cpu", engine="vllm")
+    plain = do_export("vllm", base, Context(kv_cache_gib=1))
+    assert not {"--max-num-batched-tokens", "--no-enable-prefix-caching", "--enable-chunked-prefill"} & set(plain.argv)
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in plain.env
+    cfg = base.replace(batched_tokens=512, prefix_cache="off", chunked_prefill="on", reserved_cpus=0)
+    exp = do_export("vllm", cfg, Context(kv_cache_gib=1))
+    assert set(flags_of(exp.argv)) <= accepted
+    assert values_of(exp.argv, "--max-num-batched-tokens") == ["512"]
+    assert "--no-enable-prefix-caching" in exp.argv and "--enable-chunked-prefill" in exp.argv
+    assert exp.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and exp.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    yaml_args = []
+    for key, value in yaml.safe_load(exp.files["vllm-config.yaml"]).items():
+        if key != "model":
+            yaml_args += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    assert yaml_args == exp.argv[3:]
+    assert {n.knob for n in exp.notes} >= {"batched_tokens", "prefix_cache", "chunked_prefill", "reserved_cpus"}
+    with pytest.raises(TunerError, match="prefix_cache off is a knob of engine vllm"):
+        TrialConfig("smollm2-135m", engine="llamacpp", quant="F16", prefix_cache="off")

@@ -151,7 +151,7 @@ def test_ctrl_c_leaves_no_server_running(tmp_path):
     (["--kv-type", "q8_0"], ["'q8_0'", "transformers"]),
     (["--engine", "llamacpp", "--kv-type", "q3"], ["'q3'", "q4_0"]),
     (["--engine", "llamacpp", "--draft", "early-exit:4"], ["early-exit:4", "ngram:K"]),
-    (["--threads", "2"], ["threads 2 is a llama.cpp knob (-t)", "engine transformers"]),
+    (["--threads", "2"], ["threads 2 is a knob of engine llamacpp (-t, decoding threads)", "engine transformers"]),
     (["--engine", "llamacpp", "--ubatch", "-8"], ["ubatch -8 is invalid", "integer >= 0"]),
 ])
 def test_bad_engine_input_is_one_line_exit_2(args, needles):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from tuner.errors import TunerError
-from tuner.space import default_space_path, load_space, suggest_config
+from tuner.space import combine_spaces, default_space_path, load_space, restrict_to_device, suggest_config
 from tuner.study import Row, answer, pareto_front, trials_csv
 from tuner.targets import Bound, build_slo, parse_duration_s, parse_metric, parse_slo, parse_slo_terms, parse_time_ms
 
@@ -102,13 +103,71 @@ def test_llamacpp_space_samples_llamacpp_configs():
     assert (c.threads, c.ubatch) == (1, 128)
 
 
+def test_vllm_space_samples_vllm_configs():
+    """The vLLM CPU space: dtypes the CPU backend serves, vLLM's own knobs (YAML's bare on/off read as switches), a
+    baseline equal to `vllm serve MODEL` (float32 checkpoint, 128 sequences); a sampled point is a vllm TrialConfig."""
+    import optuna
+
+    space = load_space(default_space_path("cpu", "vllm"))
+    assert space.engine == "vllm" and set(space.knobs["quant"].choices) == {"fp32", "bf16"}
+    assert space.knobs["prefix_cache"].choices == ("auto", "off") and space.knobs["reserved_cpus"].choices == (-1, 0)
+    assert (space.baseline["quant"], space.baseline["batch_cap"], space.baseline["prefix_cache"]) == ("fp32", 128,
+                                                                                                        "auto")
+    c = suggest_config(optuna.trial.FixedTrial({"quant": "bf16", "batch_cap": 8, "draft": "none", "kv_fraction": 0.05,
+                                                "batched_tokens": 256, "prefix_cache": "off",
+                                                "chunked_prefill": "auto", "reserved_cpus": 0}), space, "m", "cpu")
+    assert (c.engine, c.quant, c.batch_cap, c.batched_tokens, c.prefix_cache, c.reserved_cpus) == (
+        "vllm", "bf16", 8, 256, "off", 0)
+    assert c.to_dict()["prefix_cache"] == "off" and "chunked_prefill" not in c.to_dict()  # defaults stay implicit
+    cuda = load_space(default_space_path("cuda", "vllm"))
+    kept, notes = restrict_to_device(dataclasses.replace(space, knobs={**space.knobs, "quant": cuda.knobs["quant"]}),
+                                     "cpu")
+    assert kept.knobs["quant"].choices == ("bf16",) and any("bnb-nf4 left out: vLLM's CPU backend" in n
+                                                            for n in notes)
+
+
+def test_spaces_combine_into_one_study_with_the_engine_as_first_knob():
+    """Engines as a knob: `engine` is sampled first, then that engine's own knobs under `<engine>.<knob>` (each keeps
+    its own choices); the first engine's default is the baseline; quality tasks some engine cannot score are left
+    out with a note."""
+    import optuna
+
+    names = ("transformers", "llamacpp", "vllm")
+    space, notes = combine_spaces([load_space(default_space_path("cpu", e)) for e in names])
+    assert list(space.knobs) == ["engine"] and space.knobs["engine"].choices == names
+    assert space.baseline["engine"] == "transformers" and space.baseline["transformers.quant"] == "fp32"
+    assert "winogrande" not in space.quality["tasks"] and any("winogrande left out" in n for n in notes)
+    c = suggest_config(optuna.trial.FixedTrial(space.baseline), space, "m", "cpu")
+    assert (c.engine, c.quant, c.batch_cap) == ("transformers", "fp32", 1)
+    c = suggest_config(optuna.trial.FixedTrial({"engine": "llamacpp", "llamacpp.quant": "Q8_0",
+                                                "llamacpp.batch_cap": 8, "llamacpp.draft": "none",
+                                                "llamacpp.kv_fraction": 0.002, "llamacpp.kv_type": "q8_0",
+                                                "llamacpp.threads": 0, "llamacpp.ubatch": 128}), space, "m", "cpu")
+    assert (c.engine, c.quant, c.kv_type, c.ubatch) == ("llamacpp", "Q8_0", "q8_0", 128)
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=1))
+    seen = set()
+    for _ in range(12):  # a real TPE study over the combined space: no distribution clash between engines
+        t = study.ask()
+        seen.add(suggest_config(t, space, "m", "cpu").engine)
+        study.tell(t, 1.0)
+    assert seen == set(names)
+    with pytest.raises(TunerError, match="each engine may appear once"):
+        combine_spaces([load_space(default_space_path("cpu", "vllm"))] * 2)
+
+
 @pytest.mark.parametrize("body,needle", [
     ("engine: llamacpp\nknobs: {quant: {choices: [bf16]}}", "knobs.quant.choices[0]: unknown quantization format "
                                                             "'bf16' for engine llamacpp"),
     ("knobs: {kv_type: {choices: [auto, q8_0]}}", "knobs.kv_type.choices[1]: KV type 'q8_0' is not accepted by "
                                                   "engine transformers"),
     ("engine: vllm2\nknobs: {quant: {choices: [bf16]}}", "engine: unknown engine 'vllm2'"),
-    ("knobs: {threads: {choices: [0, 2]}}", "knobs.threads.choices[1]: threads 2 is a llama.cpp knob"),
+    ("knobs: {threads: {choices: [0, 2]}}", "knobs.threads.choices[1]: threads 2 is a knob of engine llamacpp"),
+    ("engine: llamacpp\nknobs: {prefix_cache: {choices: [auto, 'off']}}",
+     "knobs.prefix_cache.choices[1]: prefix_cache off is a knob of engine vllm"),
+    ("engine: vllm\nknobs: {chunked_prefill: {choices: [auto, maybe]}}",
+     "knobs.chunked_prefill.choices[1]: chunked_prefill 'maybe' is invalid: expected auto, on or off"),
+    ("engine: vllm\nknobs: {reserved_cpus: {choices: [-2]}}", "reserved_cpus -2 is invalid: expected an integer >= -1"),
+    ("engine: vllm\nknobs: {prefix_cache: {low: 0, high: 1}}", "knobs.prefix_cache: expected choices"),
     ("knobs: {quant: {choices: [bf16, int3]}}", "knobs.quant.choices[1]: unknown quantization format 'int3'"),
     ("knobs: {batch_cap: {choices: [1, 0]}}", "knobs.batch_cap.choices[1]: batch cap 0"),
     ("knobs: {kv_fraction: {low: 0.5, high: 0.1}}", "knobs.kv_fraction: low 0.5 must be below high 0.1"),
@@ -194,6 +253,19 @@ def test_pareto_front_keeps_the_quality_trade_off():
     rows = [row(0, "a", 1, 1.0, (1, 1), 250.0, 0.0, score=0.6), row(1, "b", 1, 2.0, (2, 2), 200.0, 0.0, score=0.5),
             row(2, "c", 1, 1.5, (1.5, 1.5), 200.0, 0.0, score=0.4)]
     assert [r.number for r in pareto_front(rows)] == [1, 0]
+
+
+def test_across_engines_quality_compares_drops_not_scores():
+    """llama-perplexity's acc_per_token and lm-eval's acc_norm are different metrics: across engines the front and
+    the runners-up compare each engine's drop from its own reference, and each engine's best is named."""
+    a = row(0, "fp32", 1, 2.0, (2.0, 2.1), 250.0, 0.0, score=0.55)  # transformers, drop 0
+    b = row(1, "Q6_K", 8, 1.0, (1.0, 1.1), 250.0, 0.8, score=0.60)  # llama.cpp: higher raw score, but a drop
+    b = dataclasses.replace(b, config={**b.config, "engine": "llamacpp"}, engine="llamacpp")
+    assert [r.number for r in pareto_front([a, b])] == [0]  # b has less capacity and a larger drop
+    out = answer([a, b], ["ttft:p90<300ms", "SLO shown to hold", "quality drop<=1pp"], baseline_number=0)
+    assert set(out["best_per_engine"]) == {"transformers", "llamacpp"}
+    assert "vs its engine's reference" in out["best_per_engine"]["llamacpp"]["vs_best"]
+    assert "pp quality" not in out["best_per_engine"]["llamacpp"]["vs_best"]
 
 
 def test_nothing_feasible_reports_closest():

@@ -4,11 +4,12 @@ or one line."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
 
-from tests.conftest import assert_one_line_error, run_tuner
+from tests.conftest import REPO, assert_one_line_error, run_tuner
 
 MODEL = "smollm2-135m"
 SMALL = ["--requests", "8", "--concurrency", "2", "--input-len", "16:32", "--output-len", "8:12", "--no-bandwidth",
@@ -57,9 +58,23 @@ def test_bench_then_export_is_the_command_that_ran(tmp_path):
     (["--engine", "vllm", "--quant", "bnb-nf4"], ["format 'bnb-nf4' on vLLM's CPU backend", "fp32, bf16"]),
     (["--engine", "vllm", "--draft", "early-exit:4"], ["not served by vLLM 0.27.1"]),
     (["--engine", "vllm", "--kv-type", "q8_0"], ["KV type 'q8_0' is not accepted by engine vllm"]),
+    (["--engine", "llamacpp", "--prefix-cache", "off"], ["prefix_cache off is a knob of engine vllm", "engine llamacpp"]),
+    (["--engine", "vllm", "--chunked-prefill", "yes"], ["chunked_prefill 'yes' is invalid", "auto, on or off"]),
+    (["--engine", "vllm", "--reserved-cpus", "-3"], ["reserved_cpus -3 is invalid", "integer >= -1"]),
 ])
 def test_bad_vllm_input_is_one_line_exit_2(args, needles):
     assert_one_line_error(run_tuner("bench", "--model", MODEL, *args, *SMALL), *needles)
+
+
+@pytest.mark.parametrize("engines,needles", [
+    ("vllm,vllm", ["each engine may appear once"]),
+    ("transformers,tgi", ["unknown engine 'tgi'", "transformers, llamacpp, vllm"]),
+])
+def test_bad_engine_list_of_a_search_is_one_line(tmp_path, engines, needles):
+    proc = run_tuner("search", "--model", MODEL, "--engine", engines, "--latency-target", "1s",
+                     "--results-dir", str(tmp_path / "r"))
+    assert_one_line_error(proc, *needles)
+    assert not (tmp_path / "r").exists()
 
 
 def test_missing_venv_is_one_line(tmp_path):
@@ -101,3 +116,43 @@ def test_engines_command_says_what_runs_here_and_why_not(tmp_path):
     proc = run_tuner("engines", env={"TUNER_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     assert "make llamacpp" in proc.stdout and "make vllm" in proc.stdout
+
+
+@pytest.mark.slow
+def test_one_study_across_engines_names_each_engines_best_and_its_command(tmp_path):
+    """`tuner search --engine transformers,llamacpp,vllm`: the engine is the first knob, every engine's default is
+    measured first on the same workload and SLO, the answer names each engine's best, and a server engine's launch
+    line is exactly what `tuner export` writes for that trial (argv and environment)."""
+    import optuna
+
+    spaces = ",".join(str(REPO / "tests" / "data" / f)
+                      for f in ("tiny_space.yaml", "tiny_llamacpp_space.yaml", "tiny_vllm_space.yaml"))
+    proc = run_tuner("search", "--model", MODEL, "--engine", "transformers,llamacpp,vllm", "--space", spaces,
+                     "--results-dir", str(tmp_path), "--study", "engines", "--seed", "0", "--quiet",
+                     "--probe-requests", "8:12", "--max-probes", "2", "--latency-target", "60s",
+                     "--latency-metric", "e2e:p50", "--trials", "4", "--max-quality-drop", "30", timeout=2400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "RECOMMENDED: trial" in proc.stdout and "best per engine" in proc.stdout
+    storage = f"sqlite:///{tmp_path / 'tuner.db'}"
+    trials = optuna.load_study(study_name="engines", storage=storage).trials
+    defaults = [(t.user_attrs["config"]["engine"], t.user_attrs["config"]["quant"]) for t in trials[:3]]
+    assert defaults == [("transformers", "fp32"), ("llamacpp", "Q4_1"), ("vllm", "fp32")]
+    assert trials[3].params["engine"] in ("transformers", "llamacpp", "vllm")
+    assert all(k == "engine" or k.startswith(trials[3].params["engine"] + ".") for k in trials[3].params)
+    rec = json.loads((tmp_path / "engines" / "recommendation.json").read_text())
+    per_engine = rec["best_per_engine"]
+    assert set(per_engine) == {"transformers", "llamacpp", "vllm"}
+    best_vllm = per_engine["vllm"]
+    assert best_vllm is not None and best_vllm["config"]["engine"] == "vllm"
+    launch = best_vllm["launch"]
+    argv = launch[launch.index("vllm"):]
+    env = dict(a.split("=", 1) for a in launch[:launch.index("vllm")])
+    assert argv[:2] == ["vllm", "serve"] and "VLLM_CPU_KVCACHE_SPACE" in env
+    exported = tmp_path / "vllm.json"
+    px = run_tuner("export", "--study", "engines", "--storage", storage, "--trial", str(best_vllm["trial"]),
+                   "--to", "vllm", "-o", str(exported))
+    assert px.returncode == 0, px.stderr[-2000:]
+    x = json.loads(exported.read_text())
+    assert x["argv"] == argv and x["env"] == env
+    rows = {r["number"]: r for r in csv.DictReader(open(tmp_path / "engines" / "trials.csv"))}
+    assert [rows[str(n)]["engine"] for n in range(3)] == ["transformers-cb", "llamacpp", "vllm"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tuner.config import TrialConfig, resolve_device
-from tuner.errors import TunerError, UnsupportedConfig
+from tuner.errors import TunerError, UnsupportedConfig, one_line
 from tuner.metrics import RequestResult, compute_metrics
 from tuner.workload import WorkloadSpec, build_workload
 
@@ -127,7 +127,8 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
-SERVER_ENGINES = ("llamacpp", "vllm")  # engines that launch a server (this machine's builds run on CPU)
+SERVER_ENGINES = ("llamacpp", "vllm", "endpoint")  # engines served over HTTP (an endpoint: by a server tuner did not
+# launch)
 
 
 def open_engine(config: TrialConfig, ignore_eos: bool, log_path: Any = None) -> tuple[Any, Any, Any]:
@@ -393,6 +394,3 @@ def stop_when_past(bounds: list[Any], min_fraction: float = 0.5) -> Callable[[li
     return should_stop
 
 
-def one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

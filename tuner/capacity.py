@@ -56,7 +56,8 @@ class CapacityOptions:
     slo: SLO
     probe_requests: tuple[int, int] = (30, 120)  # first pass, cap after pooling more at an undecided rate
     max_probes: int = 6  # open-loop probes (the saturation probe not counted)
-    max_requests: int = 600  # all probes together (warm-up and saturation included)
+    max_requests: int = 600  # the rate probes together (the warm-up and saturation, sized by the batch cap, come on
+    # top: a server with 128 slots needs its 128-request warm-up and a saturation beyond 128 in flight)
     max_wall_s: float = 900.0  # no new probe starts past this (a started probe may run to its own time limit)
     tolerance: float = 0.1  # stop when (high - low) <= tolerance * high
     ramp_fraction: float = 0.1
@@ -168,6 +169,7 @@ class CapacitySearch:
         self.run, self.pool, self.cap, self.o = run, list(pool), batch_cap, options
         self.log = log or (lambda s: None)
         self.requests_used = 0
+        self.probe_requests_used = 0  # the rate probes' share, which `max_requests` caps
         self.t0 = time.monotonic()
         self.notes: list[str] = []
         self.probes: list[dict[str, Any]] = []
@@ -228,6 +230,7 @@ class CapacitySearch:
             load = self.run(reqs, concurrency=None, timeout_s=2.0 * span + 60.0,
                             should_stop=certain_miss(self.o.slo, ramp))
             self.requests_used += len(reqs)
+            self.probe_requests_used += len(reqs)
             offset += len(reqs)
             ramp_total += ramp
             duration += load.duration_s
@@ -255,7 +258,7 @@ class CapacitySearch:
 
     def out_of_budget(self, next_probe_s: float = 0.0) -> bool:
         left = self.o.max_wall_s - (time.monotonic() - self.t0)
-        return self.requests_used >= self.o.max_requests or left <= next_probe_s
+        return self.probe_requests_used >= self.o.max_requests or left <= next_probe_s
 
     # --------------------------------------------------------------------------------- search --- #
     def search(self) -> dict[str, Any]:

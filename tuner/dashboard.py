@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tuner.config import ENGINE_KNOBS
 from tuner.dashboard_curves import LEGACY_NOTE, capacity_attr, capacity_summary, capacity_text, ci_pair
 from tuner.dashboard_curves import percentile_rows as percentile_rows
 from tuner.errors import TunerError
@@ -468,8 +469,9 @@ def config_text(config: Mapping[str, Any]) -> str:
     kv_s = f"{kv:g}" if isinstance(kv, (int, float)) else str(kv)
     kv_type = f" ({config['kv_type']})" if config.get("kv_type", "auto") != "auto" else ""
     engine = f"{config['engine']} " if config.get("engine", "transformers") != "transformers" else ""
+    extra = "".join(f" · {k} {config[k]}" for k, spec in ENGINE_KNOBS.items() if config.get(k, spec[1]) != spec[1])
     return (f"{engine}{config.get('quant')} · batch cap {config.get('batch_cap')} · KV fraction {kv_s}{kv_type} · "
-            f"draft {config.get('draft')}")
+            f"draft {config.get('draft')}{extra}")
 
 
 def hover_text(v: TrialView, info: StudyInfo | None = None) -> str:

@@ -11,3 +11,9 @@ class TunerError(Exception):
 
 class UnsupportedConfig(TunerError):
     """A configuration this device or library cannot run (e.g. torchao int4 on CPU)."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line of a failure reason: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

@@ -64,6 +64,7 @@ class SearchContext:
 
     def settings(self) -> dict[str, Any]:
         """Every setting that defines the study: resuming or joining with any of them different is refused."""
+        endpoints = [s for s in (self.space.engines or (self.space,)) if s.endpoint]
         return {"model": self.model, "device": self.device, "space": self.space.path,
                 "space_sha256": self.space.digest, "slo": self.slo.to_dict(), "workload": self.workload.to_dict(),
                 "quality": {"scored": self.score_quality, "tasks": list(self.quality_tasks),
@@ -71,7 +72,8 @@ class SearchContext:
                             "max_drop_pp": self.max_quality_drop, "max_kld": self.max_kld,
                             "seed": self.quality_seed},
                 "capacity": {"probe_requests": list(self.probe_requests), "max_probes": self.max_probes,
-                             "timeout_s": self.capacity_timeout_s, "saturation_requests": self.saturation_requests}}
+                             "timeout_s": self.capacity_timeout_s, "saturation_requests": self.saturation_requests},
+                **({"endpoint": [f"{s.endpoint} {s.served_model}".strip() for s in endpoints]} if endpoints else {})}
 
 
 def slo_arg(slo: SLO) -> str:
@@ -133,6 +135,8 @@ def quality(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[st
             "--confidence", str(ctx.slo.confidence)]
     if ctx.max_kld is not None:
         args += ["--max-kld", str(ctx.max_kld)]
+    if config.endpoint:
+        args += ["--endpoint", config.endpoint, "--served-model", config.served_model]
     env = {"TUNER_RESULTS": str(ctx.results_dir)}
     res = run_child(args, trial_dir / "quality.log", ctx.trial_timeout_s * 3, env=env)
     if not out.is_file():
@@ -238,7 +242,16 @@ def apply_capacity(trial: Any, ctx: SearchContext, capacity: dict[str, Any], q: 
     if capacity.get("verdict") != "meets":
         trial.set_user_attr("reason", "; ".join(capacity.get("notes") or []) or
                             f"no rate was shown to meet the SLO ({capacity.get('verdict')})")
-    return float(capacity.get("requests_per_s") or 0.0), (q.get("score", 0.0) if ctx.score_quality else 0.0)
+    return float(capacity.get("requests_per_s") or 0.0), quality_value(q, ctx) if ctx.score_quality else 0.0
+
+
+def quality_value(q: dict[str, Any], ctx: SearchContext) -> float:
+    """The quality objective: the suite score; in a study across engines (each scores with its own metric against
+    its own full-precision reference) minus the drop from that reference, the one figure every engine measures the
+    same way."""
+    if ctx.space.engines:
+        return -float(q.get("drop_pp") or 0.0) / 100.0
+    return float(q.get("score", 0.0))
 
 
 def objective(trial: Any, ctx: SearchContext) -> tuple[float, float]:

@@ -167,7 +167,7 @@ def read_cache(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Cache entries: the shared atomic writer, keys sorted."""
-    from tuner.cli.common import write_json_atomic as write
+    from tuner.files import write_json_atomic as write
 
     write(path, obj, sort_keys=True)
 
@@ -193,11 +193,13 @@ def check_inputs(config: TrialConfig, tasks: Any, limit: Any, seed: Any, kld_tok
 
         check_available(names)
         return names
+    if config.engine == "endpoint":  # a server tuner did not launch, scored through it (tuner.quality_endpoint)
+        return names
     if config.engine == "vllm":  # scored through the served endpoint (tuner.quality_vllm)
         from tuner.engines.vllm import CPU_FORMATS, python
 
         python()
-        if config.quant not in CPU_FORMATS:
+        if config.device != "cuda" and config.quant not in CPU_FORMATS:
             raise UnsupportedConfig(f"format {config.quant!r} on vLLM's CPU backend: expected one of "
                                     f"{', '.join(CPU_FORMATS)} (quantized formats need CUDA vLLM)")
         return names
@@ -348,6 +350,10 @@ def score_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
         from tuner.quality_vllm import score_quality as score_endpoint
 
         return score_endpoint(config, names, limit, seed, kld_tokens, progress)
+    if config.engine == "endpoint":
+        from tuner.quality_endpoint import score_quality as score_running
+
+        return score_running(config, names, limit, seed, kld_tokens, progress)
     model_hash = source_hash(resolve_source(config.model))
     versions = library_versions(config.quant)
     key = cache_key(model_hash, config.quant, names, limit, seed, kld_tokens, versions)
@@ -521,6 +527,9 @@ def baseline_description(model: str, engine: str = "transformers") -> str:
     from tuner.models import resolve_source
 
     source = resolve_source(model)
+    if engine == "endpoint":
+        return (f"fp32 of {model} on transformers (dequantized from {source.path.name}), the weights the endpoint "
+                "is taken to serve; the endpoint scored through its /v1/completions by lm-eval local-completions")
     if engine == "vllm":
         return (f"fp32 served by the same vLLM (dtype float32) from tuner's safetensors conversion of "
                 f"{source.path.name}, scored through its endpoint by lm-eval local-completions")
@@ -628,7 +637,7 @@ def gated_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
     screen = None
     if max_kld is not None:
         model_hash = source_hash(resolve_source(config.model))
-        if config.engine == "vllm":  # the top-K KLD comes with the endpoint's scoring: no cheaper screen
+        if config.engine in ("vllm", "endpoint"):  # the top-K KLD comes with the endpoint's scoring
             res0 = score_quality(config, names, limit, seed, kld_tokens=kld_tokens, progress=progress)
             kld, kld_cached = KLDResult(res0.kld_mean, res0.kld_mean_stderr, res0.kld_p99, res0.top1_agree,
                                         res0.kld_tokens), res0.cached

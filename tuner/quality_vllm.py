@@ -40,25 +40,28 @@ def versions() -> dict[str, str]:
 
 
 def endpoint_suite(base_url: str, model_name: str, tokenizer_dir: str, tasks: tuple[str, ...], limit: int,
-                   seed: int) -> tuple[Any, ...]:
+                   seed: int, headers: dict[str, str] | None = None) -> tuple[Any, ...]:
     """lm-eval's `local-completions` against a running server's /v1/completions: TaskScores with per-item values."""
     from tuner.quality import evaluate_suite
 
     lm_args = {"base_url": f"{base_url}/v1/completions", "model": model_name, "tokenizer": tokenizer_dir,
                "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": NUM_CONCURRENT,
                "max_retries": 1, "max_length": 2048, "timeout": 600}
+    if headers:
+        lm_args["header"] = {"Content-Type": "application/json", **headers}
     from lm_eval.api.registry import get_model
 
     lm = get_model("local-completions")(**lm_args)
     return evaluate_suite(lm, tasks, limit, seed)
 
 
-def prompt_topk(base_url: str, model_name: str, chunk: list[int]) -> tuple[list[dict[int, float]], list[int]]:
+def prompt_topk(base_url: str, model_name: str, chunk: list[int],
+                headers: dict[str, str] | None = None) -> tuple[list[dict[int, float]], list[int]]:
     """Top-K log-probs of the next token at every position of `chunk` (echo), keyed by token id, and the argmax."""
     body = {"model": model_name, "prompt": chunk, "max_tokens": 1, "temperature": 0.0, "echo": True,
             "logprobs": TOP_K, "return_tokens_as_token_ids": True}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=600) as r:
         data = json.loads(r.read())
     top = data["choices"][0]["logprobs"]["top_logprobs"]
@@ -69,12 +72,13 @@ def prompt_topk(base_url: str, model_name: str, chunk: list[int]) -> tuple[list[
     return out, [max(d, key=d.get) if d else -1 for d in out]
 
 
-def served_topk(base_url: str, model_name: str, chunks: np.ndarray) -> list[dict[int, float]]:
+def served_topk(base_url: str, model_name: str, chunks: np.ndarray,
+                headers: dict[str, str] | None = None) -> list[dict[int, float]]:
     """The scored positions (second half of every chunk, as tuner.kld) of every chunk, in order."""
     n = scored_per_chunk()
     out: list[dict[int, float]] = []
     for chunk in chunks:
-        dists, _ = prompt_topk(base_url, model_name, [int(t) for t in chunk])
+        dists, _ = prompt_topk(base_url, model_name, [int(t) for t in chunk], headers)
         # dists[j] predicts token j+1; tuner.kld scores predictions of tokens ctx/2+1 .. ctx-1
         out.extend(dists[KLD_CTX // 2: KLD_CTX // 2 + n])
     return out

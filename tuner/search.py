@@ -28,13 +28,12 @@ import logging
 import os
 import signal
 import socket
-import tempfile
 import time
 import zlib
 from pathlib import Path
 from typing import Any
 
-from tuner.errors import TunerError
+from tuner.errors import TunerError, one_line
 from tuner.objective import SearchContext, TrialFailed, constraint_names, objective, quality_key
 from tuner.study import answer, open_storage, rows_from_study, trials_csv
 
@@ -252,6 +251,10 @@ def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_tri
             study.set_user_attr(k, v)
     if not study.get_trials(deepcopy=False):
         study.enqueue_trial(dict(ctx.space.baseline), user_attrs={"baseline": True})
+        for other in ctx.space.engines[1:]:  # across engines: every engine's default is measured first
+            study.enqueue_trial({"engine": other.engine, **{f"{other.engine}.{k}": other.baseline[k]
+                                                             for k in other.knobs}},
+                                user_attrs={"engine_default": True})
     return study
 
 
@@ -320,11 +323,6 @@ def warn_same_host(study: Any, device: str) -> None:
         print(f"warning: another worker of study {study.study_name!r} is running on this host ({sorted(others)[0]}): "
               f"trials on the same {device} share its cores and measure each other's load; run one worker per "
               "machine for figures you will rely on", file=sys.stderr)
-
-
-def one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 def memory_note(reason: str, memory_bytes: int | None) -> str:
@@ -485,20 +483,10 @@ def remember_quality(ctx: SearchContext, trials: list[Any]) -> None:
             ctx.quality_memo.setdefault(quality_key(c), q)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are for everyone who can read the directory
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float) -> dict[str, Any]:
-    from tuner.cli.common import write_json_atomic
+    from tuner.files import write_json_atomic, write_text_atomic
 
     rows = rows_from_study(study)
     baseline = next((t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get("baseline")), 0)

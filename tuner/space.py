@@ -10,7 +10,8 @@ File format (every key optional except `knobs`):
       draft:       {choices: [none, "ngram:3"], when: {batch_cap: [1]}}   # else 'none'
       kv_fraction: {low: 0.005, high: 0.05, log: true, when: {draft: [none]}}  # else the baseline's (unused)
       kv_type:     {choices: [auto, q8_0]}            # llamacpp only (-ctk/-ctv)
-    engine: llamacpp                                   # transformers (default) | llamacpp: who serves every trial
+      threads, ubatch: llamacpp; batched_tokens, prefix_cache, chunked_prefill, reserved_cpus: vllm (config.ENGINE_KNOBS)
+    engine: llamacpp                     # transformers (default) | llamacpp | vllm: who serves every trial
     baseline: {quant: fp32, batch_cap: 1, kv_fraction: 0.01, draft: none}
     workload: {requests: 120, input_len: "64:192", output_len: "32:48"}   # prompts; the capacity search picks rates
     quality:  {tasks: [arc_easy, piqa], limit: 50, max_limit: 200}
@@ -19,19 +20,32 @@ File format (every key optional except `knobs`):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tuner.config import ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES, TrialConfig, parse_draft
+from tuner.config import (
+    ENDPOINT_QUANT,
+    ENGINE_KNOBS,
+    ENGINE_NAMES,
+    FORMATS,
+    GGUF_TYPES,
+    KV_TYPES,
+    VLLM_CPU_FORMATS,
+    TrialConfig,
+    engine_knob_error,
+    parse_draft,
+)
 from tuner.errors import TunerError
 
-KNOBS = ("quant", "batch_cap", "draft", "kv_fraction", "kv_type", "threads", "ubatch")  # sampling order: a `when:`
-# may name an earlier knob
+KNOBS = ("quant", "batch_cap", "draft", "kv_fraction", "kv_type", *ENGINE_KNOBS)  # sampling order: a `when:` may
+# name an earlier knob
 DEFAULTS: dict[str, Any] = {"quant": "bf16", "batch_cap": 1, "kv_fraction": 0.05, "draft": "none", "kv_type": "auto",
-                            "threads": 0, "ubatch": 0}
+                            **{k: spec[1] for k, spec in ENGINE_KNOBS.items()}}
 # what each engine serves when the user changes nothing: the baseline every space measures first
-ENGINE_BASELINE: dict[str, dict[str, Any]] = {"transformers": {"quant": "fp32"}, "llamacpp": {"quant": "F16"}}
+ENGINE_BASELINE: dict[str, dict[str, Any]] = {"transformers": {"quant": "fp32"}, "llamacpp": {"quant": "F16"},
+                                              "vllm": {"quant": "fp32"}, "endpoint": {"quant": ENDPOINT_QUANT}}
 TOP_KEYS = {"knobs", "baseline", "workload", "quality", "capacity", "description", "engine"}
 CAPACITY_KEYS = {"probe_requests", "max_probes", "timeout", "saturation_requests"}
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
@@ -61,11 +75,16 @@ class Space:
     quality: dict[str, Any]
     digest: str = ""  # sha256 of the file's text: a resumed study must use the same space
     capacity: dict[str, Any] = field(default_factory=dict)  # the capacity search's budget per trial
-    engine: str = "transformers"  # the engine every trial is served by
+    engine: str = "transformers"  # the engine every trial is served by (several: the baseline's, engines[0])
+    engines: tuple[Space, ...] = ()  # a study across engines: one space per engine, `engine` sampled first
+    endpoint: str = ""  # engine endpoint: the running server's URL (from --endpoint, never from the file)
+    served_model: str = ""  # engine endpoint: the model name it is asked for (--served-model)
 
 
 def default_space_path(device: str, engine: str = "transformers") -> Path:
     dev = "cuda" if device == "cuda" else "cpu"
+    if engine == "endpoint":
+        return SPACES_DIR / "endpoint.yaml"  # request-level knobs only: the same on every device
     return SPACES_DIR / (f"{dev}.yaml" if engine == "transformers" else f"{engine}-{dev}.yaml")
 
 
@@ -76,7 +95,7 @@ def _err(path: str, key: str, msg: str) -> TunerError:
 def _check_value(path: str, key: str, knob: str, value: Any, engine: str = "transformers") -> Any:
     """Validate one knob value, raising with the key path."""
     if knob == "quant":
-        allowed = FORMATS if engine == "transformers" else GGUF_TYPES
+        allowed = {"llamacpp": GGUF_TYPES, "endpoint": {ENDPOINT_QUANT: ""}}.get(engine, FORMATS)
         if value not in allowed:
             raise _err(path, key, f"unknown quantization format {value!r} for engine {engine}: expected one of "
                                   f"{', '.join(allowed)}")
@@ -87,11 +106,12 @@ def _check_value(path: str, key: str, knob: str, value: Any, engine: str = "tran
     elif knob == "batch_cap":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise _err(path, key, f"batch cap {value!r} is invalid: expected an integer >= 1")
-    elif knob in ("threads", "ubatch"):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise _err(path, key, f"{knob} {value!r} is invalid: expected an integer >= 0 (0 = the engine's default)")
-        if value and engine != "llamacpp":
-            raise _err(path, key, f"{knob} {value} is a llama.cpp knob: expected 0 with engine {engine}")
+    elif knob in ENGINE_KNOBS:
+        if isinstance(DEFAULTS[knob], str) and isinstance(value, bool):
+            value = "on" if value else "off"  # YAML 1.1 reads an unquoted on/off as a boolean
+        problem = engine_knob_error(knob, value, engine)
+        if problem:
+            raise _err(path, key, problem)
     elif knob == "kv_fraction":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise _err(path, key, f"KV fraction {value!r} is invalid: expected a number in (0, 1]")
@@ -129,12 +149,12 @@ def _parse_knob(path: str, name: str, raw: Any, earlier: list[str], engine: str)
         if len(set(vals)) != len(vals):
             raise _err(path, f"{where}.choices", "duplicate values")
         return Knob(name, choices=vals, when=when)
-    if name in ("quant", "draft", "kv_type"):
+    if name in ("quant", "draft", "kv_type") or isinstance(DEFAULTS[name], str):
         raise _err(path, where, "expected choices (a list)")
     if "low" not in raw or "high" not in raw:
         raise _err(path, where, "expected choices, or both low and high")
-    low = _check_value(path, f"{where}.low", name, raw["low"])
-    high = _check_value(path, f"{where}.high", name, raw["high"])
+    low = _check_value(path, f"{where}.low", name, raw["low"], engine)
+    high = _check_value(path, f"{where}.high", name, raw["high"], engine)
     if low >= high:
         raise _err(path, where, f"low {low} must be below high {high}")
     return Knob(name, low=float(low), high=float(high), log=bool(raw.get("log", False)), when=when)
@@ -196,35 +216,77 @@ def restrict_to_device(space: Space, device: str) -> tuple[Space, list[str]]:
     from tuner.quantize import unsupported_reason
 
     knob = space.knobs.get("quant")
-    if knob is None or knob.choices is None or space.engine != "transformers":
+    if knob is None or knob.choices is None or space.engine == "llamacpp":
         return space, []  # llama.cpp runs every GGUF type on CPU
+
+    def reason(q: str) -> str | None:
+        if space.engine == "vllm" and device != "cuda" and q not in VLLM_CPU_FORMATS:
+            return f"vLLM's CPU backend serves {', '.join(VLLM_CPU_FORMATS)} only (quantized formats need CUDA vLLM)"
+        return unsupported_reason(q, device)
+
     keep, notes = [], []
     for q in knob.choices:
-        reason = unsupported_reason(q, device)
-        if reason and q != space.baseline["quant"]:
-            notes.append(f"{q} left out: {reason}")
+        why = reason(q)
+        if why and q != space.baseline["quant"]:
+            notes.append(f"{q} left out: {why}")
         else:
             keep.append(q)
     knobs = dict(space.knobs, quant=Knob("quant", choices=tuple(keep), when=knob.when))
-    return Space(space.path, knobs, space.baseline, space.workload, space.quality, space.digest,
-                 space.capacity, space.engine), notes
+    return dataclasses.replace(space, knobs=knobs), notes
 
 
-def _suggest(trial: Any, knob: Knob) -> Any:
+def combine_spaces(spaces: list[Space]) -> tuple[Space, list[str]]:
+    """One study across engines: the `engine` knob is sampled first, then that engine's own knobs (named
+    `<engine>.<knob>` in Optuna, so each engine keeps its own choices). The workload, capacity budget and quality
+    suite are the first space's, so every engine is measured the same way; quality tasks some engine cannot score
+    are left out (noted). The baseline is the first engine's default. Returns the space and its notes."""
+    import hashlib
+
+    if len(spaces) == 1:
+        return spaces[0], []
+    names = [s.engine for s in spaces]
+    if len(set(names)) != len(names):
+        raise TunerError(f"engines {', '.join(names)}: each engine may appear once: expected distinct engines")
+    first, notes = spaces[0], []
+    tasks = list(first.quality.get("tasks") or [])
+    for s in spaces[1:]:
+        theirs = s.quality.get("tasks")
+        if theirs is not None:
+            for t in [t for t in tasks if t not in theirs]:
+                notes.append(f"quality task {t} left out: the {s.engine} space ({s.path}) does not score it")
+                tasks.remove(t)
+    if not tasks and first.quality.get("tasks"):
+        raise TunerError(f"engines {', '.join(names)}: no quality task is scored by every engine's space: expected "
+                         "--quality-tasks naming tasks each engine scores")
+    quality = dict(first.quality, **({"tasks": tasks} if tasks else {}))
+    baseline = {"engine": first.engine, **{f"{first.engine}.{k}": first.baseline[k] for k in first.knobs}}
+    digest = hashlib.sha256("".join(s.digest for s in spaces).encode()).hexdigest()
+    knobs = {"engine": Knob("engine", choices=tuple(names))}
+    return Space(",".join(s.path for s in spaces), knobs, baseline, first.workload, quality, digest, first.capacity,
+                 first.engine, tuple(spaces)), notes
+
+
+def _suggest(trial: Any, knob: Knob, prefix: str = "") -> Any:
+    name = prefix + knob.name
     if knob.choices is not None:
-        return trial.suggest_categorical(knob.name, list(knob.choices))
-    if knob.name in ("batch_cap", "threads", "ubatch"):
-        return trial.suggest_int(knob.name, int(knob.low), int(knob.high), log=knob.log)
-    return trial.suggest_float(knob.name, knob.low, knob.high, log=knob.log)
+        return trial.suggest_categorical(name, list(knob.choices))
+    if isinstance(DEFAULTS[knob.name], int):  # batch cap and the integer engine knobs
+        return trial.suggest_int(name, int(knob.low), int(knob.high), log=knob.log)
+    return trial.suggest_float(name, knob.low, knob.high, log=knob.log)
 
 
 def suggest_config(trial: Any, space: Space, model: str, device: str) -> TrialConfig:
     """Sample one configuration (works with optuna.Trial and optuna.trial.FixedTrial)."""
+    prefix = ""
+    if space.engines:
+        engine = trial.suggest_categorical("engine", [s.engine for s in space.engines])
+        space, prefix = next(s for s in space.engines if s.engine == engine), f"{engine}."
     values: dict[str, Any] = {}
     for name, knob in space.knobs.items():
         if all(values.get(k) in allowed for k, allowed in knob.when.items()):
-            values[name] = _suggest(trial, knob)
+            values[name] = _suggest(trial, knob, prefix)
         else:
             values[name] = DEFAULTS[name] if name == "draft" else space.baseline[name]
     merged = {k: values.get(k, space.baseline[k]) for k in KNOBS}
-    return TrialConfig(model=model, device=device, engine=space.engine, **merged)
+    return TrialConfig(model=model, device=device, engine=space.engine, endpoint=space.endpoint,
+                       served_model=space.served_model, **merged)

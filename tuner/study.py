@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tuner.config import ENGINE_KNOBS
 from tuner.errors import TunerError
 
 DEFAULT_STORAGE = "sqlite:///results/tuner.db"
@@ -121,13 +122,24 @@ def rows_from_study(study: Any) -> list[Row]:
         rows.append(Row(t.number, t.state.name, ua.get("config") or {}, ua.get("metrics") or {},
                         ua.get("quality") or {}, ua.get("constraints"), ua.get("reason"),
                         ua.get("cost_per_million_tokens"), ua.get("capacity"), (ua.get("engine") or {}).get("name"),
-                        ((ua.get("engine") or {}).get("info") or {}).get("exported_argv") or None))
+                        launch_command((ua.get("engine") or {}).get("info") or {})))
     return rows
 
 
+def launch_command(info: dict[str, Any]) -> list[str] | None:
+    """A server engine's exported argv with the environment it was launched with (`K=V ... vllm serve ...`)."""
+    argv = info.get("exported_argv")
+    if not argv:
+        return None
+    return [f"{k}={v}" for k, v in (info.get("env") or {}).items()] + list(argv)
+
+
 def pareto_front(rows: list[Row]) -> list[Row]:
-    """Feasible rows not dominated on (capacity max, quality max)."""
-    pts = [(r, r.rps, r.quality.get("score") or 0.0) for r in rows if r.feasible]
+    """Feasible rows not dominated on (capacity max, quality max). Across engines quality is minus the drop from
+    each engine's own reference (their scores use different metrics)."""
+    across = len({r.config.get("engine", "transformers") for r in rows if r.config}) > 1
+    pts = [(r, r.rps, -(r.quality.get("drop_pp") or 0.0) if across else r.quality.get("score") or 0.0)
+           for r in rows if r.feasible]
     front = []
     for r, a, c in pts:
         dominated = any(a2 >= a and c2 >= c and (a2, c2) != (a, c) for _, a2, c2 in pts)
@@ -169,6 +181,13 @@ def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, c
         rec["statement"] = statement(best, base, gain)
         out["recommendation"] = rec
         out["runners_up"] = [dict(summary(r), vs_best=tradeoff(r, best)) for r in feasible[1:4]]
+    engines = list(dict.fromkeys(r.config.get("engine", "transformers") for r in rows if r.config))
+    if len(engines) > 1:  # a study across engines: each engine's best, so they are compared on one workload and SLO
+        out["best_per_engine"] = {}
+        for e in engines:
+            mine = [r for r in feasible if r.config.get("engine", "transformers") == e]
+            out["best_per_engine"][e] = (dict(summary(mine[0]), vs_best=tradeoff(mine[0], feasible[0]))
+                                         if mine else None)
     else:
         done = [r for r in rows if r.state in ("COMPLETE", "PRUNED") and r.constraints]
         if done:
@@ -192,7 +211,7 @@ def gain_over(best: Row, base: Row | None) -> dict[str, Any]:
 
 def describe(c: dict[str, Any]) -> str:
     kv_type = f" ({c['kv_type']})" if c.get("kv_type", "auto") != "auto" else ""
-    extra = "".join(f", {k} {c[k]}" for k in ("threads", "ubatch") if c.get(k))
+    extra = "".join(f", {k} {c[k]}" for k, spec in ENGINE_KNOBS.items() if c.get(k, spec[1]) != spec[1])
     return (f"{c.get('quant')} batch cap {c.get('batch_cap')}, kv {c.get('kv_fraction', 0):.3g}{kv_type}, "
             f"draft {c.get('draft')}{extra}")
 
@@ -239,7 +258,12 @@ def binding(names: list[str], best: Row, rows: list[Row]) -> str:
 
 def tradeoff(r: Row, best: Row) -> str:
     parts = [f"{r.rps / best.rps:.2f}x capacity" if best.rps else "-"]
-    if r.quality.get("score") is not None and best.quality.get("score") is not None:
+    if r.config.get("engine", "transformers") != best.config.get("engine", "transformers"):
+        # engines score with their own metric against their own reference (llama-perplexity's acc_per_token vs
+        # lm-eval's acc_norm): only each one's drop from its own full precision compares
+        if r.quality.get("drop_pp") is not None:
+            parts.append(f"quality drop {r.quality['drop_pp']:+.1f} pp vs its engine's reference")
+    elif r.quality.get("score") is not None and best.quality.get("score") is not None:
         parts.append(f"{100 * (r.quality['score'] - best.quality['score']):+.1f} pp quality")
     return ", ".join(parts)
 
@@ -259,7 +283,7 @@ def summary(r: Row) -> dict[str, Any]:
 
 
 CSV_FIELDS = ["number", "state", "feasible", "engine", "model", "quant", "batch_cap", "kv_fraction", "kv_type", "draft",
-              "threads", "ubatch", "device", "capacity_rps", "capacity_rps_low", "capacity_rps_high", "capacity_verdict",
+              *ENGINE_KNOBS, "device", "capacity_rps", "capacity_rps_low", "capacity_rps_high", "capacity_verdict",
               "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms",
               "e2e_p50_ms", "e2e_p99_ms", "failed", "peak_rss_mb", "peak_cuda_mb", "quality_score",
               "quality_stderr", "drop_pp", "drop_upper_pp", "quality_verdict", "kld_mean",
@@ -281,7 +305,7 @@ def trials_csv(rows: list[Row]) -> str:
         w.writerow({
             "number": r.number, "state": r.state, "feasible": r.feasible, "engine": r.engine,
             **{k: c.get(k) for k in ("model", "quant", "batch_cap", "kv_fraction", "draft", "device")},
-            "kv_type": c.get("kv_type", "auto"), "threads": c.get("threads", 0), "ubatch": c.get("ubatch", 0),
+            "kv_type": c.get("kv_type", "auto"), **{k: c.get(k, spec[1]) for k, spec in ENGINE_KNOBS.items()},
             "capacity_rps": r.rps if r.capacity else None, "capacity_rps_low": lo if r.capacity else None,
             "capacity_rps_high": hi if r.capacity else None, "capacity_verdict": (r.capacity or {}).get("verdict"),
             "output_tokens_per_s": r.tok_s if r.capacity else None,

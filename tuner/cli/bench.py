@@ -244,7 +244,10 @@ def format_report(result: dict[str, Any]) -> str:
     if result.get("engine"):
         e = result["engine"]
         info = e.get("info") or {}
-        if info.get("build"):
+        if e["name"] == "endpoint":
+            lines.append(f"engine: endpoint {info.get('endpoint')} serving {info.get('served_model')!r} (not launched by "
+                         "tuner: its version and settings are its own; memory below is the client's)")
+        elif info.get("build"):
             start = info.get("startup_s")
             lines.append(f"engine: {e['name']} ({info['build']}) on {e['device']}, started in "
                          f"{_fmt(start, 1)} s: {' '.join(info.get('argv') or [])}")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from tuner.config import ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES, TrialConfig
+from tuner.config import ENDPOINT_QUANT, ENGINE_KNOBS, ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES, TrialConfig
 from tuner.errors import TunerError
+from tuner.files import write_json_atomic as write_json_atomic  # re-exported for the commands
 from tuner.workload import WorkloadSpec, parse_range
 
 
@@ -25,9 +24,15 @@ def add_config_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--kv-fraction", type=float,
                    help="fraction of free memory the KV cache may take, in (0, 1] (default 0.05)")
     g.add_argument("--draft", help="none | ngram:K | draft:<model>:K | early-exit:L (default none)")
-    g.add_argument("--threads", type=int, help="llamacpp: -t, decoding threads (default 0 = the server's default)")
-    g.add_argument("--ubatch", type=int, help="llamacpp: -ub, tokens per prompt step (default 0 = the server's 512)")
+    for name, (engine, default, accepted, what) in ENGINE_KNOBS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=str if isinstance(default, str) else int,
+                       help=f"{engine}: {what}; {accepted}")
     g.add_argument("--device", help="auto | cpu | cuda (default auto)")
+    g.add_argument("--endpoint", metavar="URL", help="measure a running OpenAI-compatible server at URL instead of "
+                                                     "launching one (engine endpoint; the API key comes from "
+                                                     "$TUNER_API_KEY; --model names its tokenizer)")
+    g.add_argument("--served-model", metavar="NAME", help="endpoint: the model name to request (default: the first "
+                                                          "of its /v1/models)")
     g.add_argument("--config", metavar="FILE", help="take the configuration from a JSON file (bench or export JSON)")
 
 
@@ -64,8 +69,8 @@ def recorded_workload(path: str | None) -> dict[str, Any]:
     return {k: v for k, v in w.items() if k in WORKLOAD_DEFAULTS} if isinstance(w, dict) else {}
 
 
-CONFIG_FLAGS = ("model", "engine", "quant", "batch_cap", "kv_fraction", "kv_type", "draft", "device", "threads",
-                "ubatch")
+CONFIG_FLAGS = ("model", "engine", "quant", "batch_cap", "kv_fraction", "kv_type", "draft", "device", *ENGINE_KNOBS,
+                "endpoint", "served_model")
 
 
 def config_from_args(args: argparse.Namespace) -> TrialConfig:
@@ -88,8 +93,12 @@ def config_from_args(args: argparse.Namespace) -> TrialConfig:
         if not args.model:
             raise TunerError("--model is required (an alias, a checkpoint directory or a .gguf file) unless --config")
         knobs = {k: getattr(args, k) for k in CONFIG_FLAGS[1:] if getattr(args, k, None) is not None}
+        if knobs.get("endpoint") and "engine" not in knobs:
+            knobs["engine"] = "endpoint"
         if knobs.get("engine") == "llamacpp" and "quant" not in knobs:
             knobs["quant"] = "F16"  # llama.cpp's own type names; the unquantized half-precision GGUF by default
+        if knobs.get("engine") == "endpoint" and "quant" not in knobs:
+            knobs["quant"] = ENDPOINT_QUANT
         config = TrialConfig(model=args.model, **knobs)
     resolve_source(config.model)
     if config.draft_spec.kind == "draft":
@@ -141,19 +150,3 @@ def check_output_path(path: str | None, flag: str = "--json") -> Path | None:
     return p
 
 
-def write_json_atomic(path: Path, data: Any, sort_keys: bool = False) -> None:
-    """Write JSON through a temp file in the same folder + rename (fsynced, 0644): a reader sees the old file or
-    the whole new one, never a part. Creates the folder if needed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str, sort_keys=sort_keys)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are plain files
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

