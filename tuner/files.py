@@ -5,17 +5,19 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write through a temp file in the same folder + rename (fsynced, 0644). Creates the folder if needed."""
+def write_atomic(path: Path, write: Callable[[IO[str]], None]) -> None:
+    """`write(f)` into a temp file in the same folder, then fsync + rename (0644). Creates the folder if needed;
+    an exception (Ctrl-C included) leaves neither the file nor the temp file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(text)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are plain files
@@ -25,6 +27,15 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    write_atomic(path, lambda f: f.write(text))
+
+
 def write_json_atomic(path: Path, data: Any, sort_keys: bool = False) -> None:
-    """JSON (indented, trailing newline) through write_text_atomic."""
-    write_text_atomic(path, json.dumps(data, indent=2, default=str, sort_keys=sort_keys) + "\n")
+    """JSON, indented, with a trailing newline."""
+
+    def dump(f: IO[str]) -> None:
+        json.dump(data, f, indent=2, default=str, sort_keys=sort_keys)
+        f.write("\n")
+
+    write_atomic(path, dump)
