@@ -542,7 +542,7 @@ def main() -> None:
                 "the page tries again at the next refresh.")
         return
     info = dash.study_info(name, study.user_attrs)
-    views = dash.trial_views(trials)
+    views = dash.trial_views(trials, study.user_attrs)
     if not any(v.finished for v in views):
         running = sum(v.state in ("RUNNING", "WAITING") for v in views)
         st.title(name)

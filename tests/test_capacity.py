@@ -103,3 +103,22 @@ def test_early_stop_only_when_the_miss_is_certain():
     assert stop([ok(i, 900.0) for i in range(25)], 40) is None
     # 30 of 40 late: 10/40 within is (binomial P <= 0.002): stop
     assert "ttft:p50<100ms missed with confidence" in stop([ok(i, 900.0) for i in range(30)], 40)
+
+
+def test_a_pool_shorter_than_the_budget_repeats_prompts_and_says_so():
+    engine = FakeEngine(servers=2, prefill_s=0.002, token_s=0.001)
+    engine.start()
+    sent: list[int] = []
+    try:
+        def run(reqs, concurrency, timeout_s, should_stop):
+            sent.extend(r.prompt_ids[0] for r in reqs)
+            return run_load(engine, reqs, concurrency, timeout_s, should_stop, progress=False)
+
+        opts = CapacityOptions(slo=SLO(tuple(parse_slo("e2e:p90<500ms"))), probe_requests=(8, 8), max_probes=2,
+                               saturation_requests=8)
+        short = [Request(i, "x", (i, 2, 3), 4, None) for i in range(12)]
+        cap = CapacitySearch(run, short, 2, opts).search()
+    finally:
+        engine.stop(drain=False)
+    assert len(sent) > 12 and len(set(sent[:12])) == 12  # each prompt once before any repeats
+    assert sum("repeat prompts" in n for n in cap["notes"]) == 1

@@ -133,7 +133,7 @@ def test_quality_and_search_through_a_running_vllm(vllm_server, tmp_path):
                      "--latency-metric", "e2e:p50", "--trials", "1", "--results-dir", str(tmp_path / "s"),
                      "--study", "ep", "--quiet", "--probe-requests", "8:12", "--max-probes", "2",
                      "--saturation-requests", "8", "--requests", "24", "--quality-tasks", "arc_easy",
-                     "--quality-limit", "8", "--max-quality-drop", "30", env=env, timeout=1800)
+                     "--quality-limit", "8", "--max-quality-drop", "30", "--confirm", "0", env=env, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rec = json.loads((tmp_path / "s" / "ep" / "recommendation.json").read_text())["recommendation"]
     assert rec["config"]["engine"] == "endpoint" and rec["config"]["endpoint"] == vllm_server

@@ -156,3 +156,44 @@ def test_ctrl_c_leaves_no_server_running(tmp_path):
 ])
 def test_bad_engine_input_is_one_line_exit_2(args, needles):
     assert_one_line_error(run_tuner("bench", "--model", MODEL, *args, *SMALL), *needles)
+
+
+def test_capacity_sends_every_prompt_once_so_the_prompt_cache_never_serves_it():
+    """llama-server caches prompts (slot reuse and its host prompt cache): a capacity search that re-sent its
+    prompts would measure cache hits, not traffic. The server's own `timings.cache_n` (prompt tokens it took from
+    its cache) shows it: near zero for every request of the search, most of the prompt when the same prompts are
+    sent again (the control, proving the check can see a cache hit)."""
+    from tuner.capacity import CapacityOptions, CapacitySearch
+    from tuner.engines.llamacpp import LlamaCppEngine
+    from tuner.loadgen import run_load
+    from tuner.models import checkpoint_dir
+    from tuner.quantize import load_tokenizer
+    from tuner.targets import SLO, parse_slo
+    from tuner.workload import WorkloadSpec, build_workload, with_arrivals
+
+    opts = CapacityOptions(slo=SLO(tuple(parse_slo("ttft:p50<10s"))), probe_requests=(8, 8), max_probes=2,
+                           max_requests=16, saturation_requests=8)
+    tok = load_tokenizer(checkpoint_dir(MODEL))
+    pool = build_workload(WorkloadSpec(requests=opts.pool_size(2), input_len=(48, 96), output_len=(4, 8)), tok)
+    e = LlamaCppEngine(TrialConfig(model=MODEL, engine="llamacpp", quant="Q8_0", batch_cap=2, kv_fraction=0.002))
+    e.start()
+    timings: list[dict] = []  # the server's per-request timings, read after each load (ids restart per load)
+    try:
+        def run(reqs, concurrency, timeout_s, should_stop=None):
+            load = run_load(e, reqs, concurrency, timeout_s, should_stop, progress=False)
+            done = e.request_timings()
+            timings.extend(done[f"r{r.index}"] for r in reqs)
+            return load
+
+        search = CapacitySearch(run, pool, 2, opts)
+        cap = search.search()
+        searched = list(timings)
+        run(with_arrivals(pool[:6], None, "poisson", 0), 2, 120)  # the first prompts again
+        again = timings[len(searched):]
+    finally:
+        e.stop(drain=False)
+    assert cap["cost"]["requests"] == search.cursor == len(searched) <= len(pool)
+    assert not any("repeat" in n for n in cap["notes"])
+    reused = [t["cache_n"] / (t["cache_n"] + t["prompt_n"]) for t in searched]
+    assert max(reused) < 0.2, sorted(reused)[-5:]
+    assert len(again) == 6 and min(t["cache_n"] / (t["cache_n"] + t["prompt_n"]) for t in again) > 0.5

@@ -34,9 +34,16 @@ def test_tiny_search_recommends_and_resumes(tmp_path):
     storage = f"sqlite:///{tmp_path / 'tuner.db'}"
     study = optuna.load_study(study_name="tiny", storage=storage)
     by_number = {t.number: t for t in study.trials}
-    cap = by_number[r["trial"]].user_attrs["capacity"]
+    own = by_number[r["trial"]].user_attrs["capacity"]
+    # the pick was re-measured after the last trial (a fresh child bench) and the answer reports that measure
+    confirmed = study.user_attrs["confirmed"][str(r["trial"])]
+    cap = confirmed["capacity"]
+    written = json.loads((tmp_path / "tiny" / "trials" / f"{r['trial']:04d}" / "confirm-1" / "bench.json").read_text())
+    assert written["metrics"]["capacity"]["requests_per_s"] == cap["requests_per_s"] == r["capacity_requests_per_s"]
+    assert r["confirmed"] and r["in_trial_requests_per_s"] == own["requests_per_s"]
+    assert "re-measured after the search" in proc.stdout and study.user_attrs.get("confirming") is None
     # the recommended capacity is a probed rate that was shown to meet the SLO, and the highest among feasible trials
-    assert cap["verdict"] == "meets" and r["capacity_requests_per_s"] == cap["requests_per_s"]
+    assert cap["verdict"] == "meets" and own["verdict"] == "meets"
     assert any(p["rate_rps"] == cap["requests_per_s"] and p["verdict"] == "meets" for p in cap["probes"])
     feasible = [s for s in rec["pareto_front"]]
     assert r["capacity_requests_per_s"] == max(s["capacity_requests_per_s"] for s in feasible)
@@ -110,6 +117,7 @@ def test_impossible_target_says_so(tmp_path):
     (["--latency-target", "300ms", "--study", "bad name!"], "study name 'bad name!'"),
     (["--latency-target", "300ms", "--quality-tasks", "arc_easy,nosuchtask"], "nosuchtask"),
     (["--latency-target", "300ms", "--cost-per-hour", "0"], "--cost-per-hour"),
+    (["--latency-target", "300ms", "--confirm", "-1"], "--confirm -1"),
 ])
 def test_bad_search_input(tmp_path, args, needle):
     res = tmp_path / "res"
@@ -138,7 +146,8 @@ def test_llamacpp_search_recommends_the_exact_server_command(tmp_path):
     proc = run_tuner("search", "--model", "smollm2-135m", "--engine", "llamacpp", "--space", space,
                      "--results-dir", str(tmp_path), "--study", "tinyllama", "--seed", "0", "--quiet",
                      "--probe-requests", "8:12", "--max-probes", "2", "--latency-target", "60s",
-                     "--latency-metric", "e2e:p50", "--trials", "3", "--max-quality-drop", "30", timeout=1800)
+                     "--latency-metric", "e2e:p50", "--trials", "3", "--max-quality-drop", "30", "--confirm", "0",
+                     timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RECOMMENDED: trial" in proc.stdout
     launch_line = next(line for line in proc.stdout.splitlines() if "launch (exactly what was measured)" in line)

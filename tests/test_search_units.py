@@ -289,3 +289,38 @@ def test_trials_csv_has_every_trial():
 
 def test_spaces_dir_exists():
     assert Path(default_space_path("cpu")).is_file()
+
+
+def test_a_pick_that_drops_when_re_measured_hands_over_to_the_next():
+    """tuner.confirm on a real (in-memory) Optuna study: trial 1 won at 3.0 req/s in its trial but re-measured at
+    1.5; trial 2 (2.0, not re-measured) is now ranked first, so it is the next to re-measure and the answer picks it,
+    while trial 1 reports both its figures."""
+    import optuna
+
+    from tuner.confirm import next_to_confirm
+    from tuner.study import rows_from_study
+
+    def attrs(rps):
+        cap = {"requests_per_s": rps, "requests_per_s_ci": [rps, rps * 1.05], "verdict": "meets", "probes": []}
+        return {"config": {"quant": "bf16", "batch_cap": 8, "kv_fraction": 0.01, "draft": "none"},
+                "metrics": {}, "capacity": cap, "constraints": [-0.5, -1.0, -0.5]}
+
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    for rps in (0.5, 3.0, 2.0):
+        study.add_trial(optuna.trial.create_trial(values=[rps, 0.5], user_attrs=attrs(rps),
+                                                  state=optuna.trial.TrialState.COMPLETE))
+    assert next_to_confirm(rows_from_study(study)).number == 1
+    again = attrs(1.5)["capacity"]
+    study.set_user_attr("confirmed", {"1": {"capacity": again, "metrics": {"ttft_ms": {"p90": 12.0}}}})
+    rows = rows_from_study(study)
+    assert next_to_confirm(rows).number == 2
+    a = answer(rows, NAMES, baseline_number=0)
+    assert a["recommendation"]["trial"] == 2 and not a["recommendation"]["confirmed"]
+    one = next(s for s in a["runners_up"] if s["trial"] == 1)
+    assert one["confirmed"] and one["capacity_requests_per_s"] == 1.5 and one["in_trial_requests_per_s"] == 3.0
+    assert one["ttft_ms"] == {"p90": 12.0}  # the metrics at the re-measured capacity point
+    study.set_user_attr("confirmed", {"1": {"capacity": again, "metrics": {}},
+                                      "2": {"capacity": attrs(1.8)["capacity"], "metrics": {}}})
+    rows = rows_from_study(study)
+    assert next_to_confirm(rows) is None  # the first ranked (trial 2 at 1.8) is confirmed: nothing left to do
+    assert "re-measured after the search; 2 req/s in its trial" in answer(rows, NAMES)["recommendation"]["statement"]

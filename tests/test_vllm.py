@@ -130,7 +130,8 @@ def test_one_study_across_engines_names_each_engines_best_and_its_command(tmp_pa
     proc = run_tuner("search", "--model", MODEL, "--engine", "transformers,llamacpp,vllm", "--space", spaces,
                      "--results-dir", str(tmp_path), "--study", "engines", "--seed", "0", "--quiet",
                      "--probe-requests", "8:12", "--max-probes", "2", "--latency-target", "60s",
-                     "--latency-metric", "e2e:p50", "--trials", "4", "--max-quality-drop", "30", timeout=2400)
+                     "--latency-metric", "e2e:p50", "--trials", "4", "--max-quality-drop", "30", "--confirm", "0",
+                     timeout=2400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RECOMMENDED: trial" in proc.stdout and "best per engine" in proc.stdout
     storage = f"sqlite:///{tmp_path / 'tuner.db'}"

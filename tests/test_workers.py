@@ -258,7 +258,8 @@ def test_worker_with_another_slo_is_refused_on_sqlite(tmp_path):
 # ----------------------------------------------------------------------------------------- real workers --- #
 def real_workers(tmp_path: Path, storage: str, searches: int, joiners: int, n_trials: int) -> None:
     common = ["--model", "smollm2-135m", "--space", SPACE, "--latency-target", "60s", "--trials", str(n_trials),
-              "--no-quality", "--study", "shared", "--storage", storage, "--seed", "0", "--quiet"]
+              "--no-quality", "--study", "shared", "--storage", storage, "--seed", "0", "--quiet",
+              "--confirm", "0"]
     env = {**os.environ, "TUNER_HEARTBEAT_S": "2"}
 
     def start(cmd: str, i: int) -> subprocess.Popen:

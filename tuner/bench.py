@@ -213,8 +213,8 @@ def run_bench(
     out["load_s"] = time.perf_counter() - t
     spec = options.workload
     warm_n = max(2, config.batch_cap)  # warm-up requests, drawn from the workload after the measured ones
-    if options.capacity is not None:  # the capacity search re-times these prompts itself (warm-up at the end)
-        spec = replace(spec, requests=max(spec.requests, options.capacity.probe_requests[1]))
+    if options.capacity is not None:  # one fresh prompt per request the capacity search may send, re-timed by it
+        spec = replace(spec, requests=max(spec.requests, options.capacity.pool_size(config.batch_cap)))
     if spec.trace:
         requests = build_workload(spec, tokenizer)
         warmup = requests[:warm_n]

@@ -9,8 +9,8 @@ one engine that is already started:
 2. **Saturation probe**: a closed loop keeping more than `batch_cap` requests in flight (so the engine never
    idles), whose steady-state completion rate bounds the sustainable rate from above (an open-loop arrival rate
    above the service rate makes the queue grow without bound).
-3. **Bracketed rate search** between 0 and that bound: Poisson (or constant) open-loop probes on the same prompts
-   (common random numbers, arrivals scaled to the rate). Each probe gets a verdict against the SLO at the given
+3. **Bracketed rate search** between 0 and that bound: Poisson (or constant) open-loop probes, the arrival pattern
+   scaled to the rate (common random numbers for the arrivals). Each probe gets a verdict against the SLO at the given
    confidence (tuner.stats): `meets` raises the lower end, `misses` lowers the upper end; `indeterminate` gets
    more requests at the same rate (pooled, up to the per-probe cap) and, still undecided, is treated as not
    shown to meet (it lowers the upper end; the answer says so). Below the first meeting rate the search halves
@@ -18,7 +18,11 @@ one engine that is already started:
    upper end or the budget (probes, requests, seconds) is spent.
 4. **Steady state**: the first `ramp_fraction` of each probe's requests (at least 1) see an emptier engine than
    the rest; they are sent but left out of the probe's statistics.
-5. A probe stops early only when its verdict can no longer be anything but `misses` (every request still to
+5. **Fresh prompts for every request**: warm-up, saturation and probes take the next unused prompts of one
+   deterministic stream (same seed, same prompts in the same order). Serving a prompt twice would measure the
+   server's prompt cache (llama-server's `cache_prompt` and host prompt cache, vLLM's prefix caching) instead of
+   the traffic a user sends; a trace too short for the budget is reused, and the result says so.
+6. A probe stops early only when its verdict can no longer be anything but `misses` (every request still to
    finish counted as meeting the SLO): an exceeded bound is exceeded with confidence before the probe is cut.
 
 Result (`metrics.capacity` of `tuner bench --capacity`, one trial's measure in `tuner search`):
@@ -63,7 +67,7 @@ class CapacityOptions:
     ramp_fraction: float = 0.1
     arrival: str = "poisson"
     seed: int = 0
-    saturation_requests: int | None = None  # default max(3 x in-flight, 16)
+    saturation_requests: int | None = None  # default max(3 x in-flight, 32)
 
     def __post_init__(self) -> None:
         from tuner.errors import TunerError
@@ -79,6 +83,21 @@ class CapacityOptions:
     @staticmethod
     def warmup_count(batch_cap: int) -> int:
         return max(2, batch_cap)
+
+    @staticmethod
+    def saturation_in_flight(batch_cap: int) -> int:
+        return batch_cap + max(1, batch_cap // 4)
+
+    def saturation_count(self, batch_cap: int) -> int:
+        # 32 at least: the steady-state rate is counted after the first fill, and a dozen completions left a
+        # +-15% spread between repeats of one configuration on small batch caps
+        return self.saturation_requests or max(3 * self.saturation_in_flight(batch_cap), 32)
+
+    def pool_size(self, batch_cap: int) -> int:
+        """Prompts one capacity measurement may send, each once: warm-up, saturation, the rate probes' budget and
+        the last probe's overshoot (a probe that starts under budget may take its full cap plus its ramp)."""
+        last = math.ceil(self.probe_requests[1] * (1 + self.ramp_fraction)) + 1
+        return self.warmup_count(batch_cap) + self.saturation_count(batch_cap) + self.max_requests + last
 
 
 # ------------------------------------------------------------------------------------- probe verdicts --- #
@@ -174,11 +193,23 @@ class CapacitySearch:
         self.notes: list[str] = []
         self.probes: list[dict[str, Any]] = []
         self.results_at: dict[float, list[RequestResult]] = {}
+        self.cursor = 0  # prompts of the pool already sent
+
+    def take(self, n: int) -> list[Request]:
+        """The next `n` unused prompts; past the end of the pool (a short trace) prompts repeat, said once."""
+        if not self.pool:
+            raise RuntimeError("the workload has no requests")
+        out = [self.pool[(self.cursor + i) % len(self.pool)] for i in range(n)]
+        if self.cursor + n > len(self.pool) and self.cursor <= len(self.pool):
+            self.notes.append(f"the workload's {len(self.pool)} prompts were all sent by request {len(self.pool)}: "
+                              "later requests repeat prompts, which a server with prompt caching serves from its cache")
+        self.cursor += n
+        return out
 
     # --------------------------------------------------------------------------------- steps --- #
     def warm_up(self) -> dict[str, Any]:
         n = self.o.warmup_count(self.cap)
-        reqs = with_arrivals(self.pool[-n:], None, self.o.arrival, self.o.seed)
+        reqs = with_arrivals(self.take(n), None, self.o.arrival, self.o.seed)
         load = self.run(reqs, concurrency=self.cap, timeout_s=self.o.max_wall_s, should_stop=None)
         self.requests_used += n
         failed = [r for r in load.results if not r.ok]
@@ -186,9 +217,9 @@ class CapacitySearch:
                 "errors": sorted({r.error or "" for r in failed})[:3], "duration_s": load.duration_s}
 
     def saturate(self) -> dict[str, Any]:
-        c = self.cap + max(1, self.cap // 4)
-        n = self.o.saturation_requests or max(3 * c, 16)
-        reqs = with_arrivals(self.body(n), None, self.o.arrival, self.o.seed)
+        c = self.o.saturation_in_flight(self.cap)
+        n = self.o.saturation_count(self.cap)
+        reqs = with_arrivals(self.take(n), None, self.o.arrival, self.o.seed)
         load = self.run(reqs, concurrency=c, timeout_s=self.o.max_wall_s, should_stop=None)
         self.requests_used += n
         ok = sorted((r for r in load.results if r.ok), key=lambda r: r.send_s + (r.e2e_ms or 0) / 1e3)
@@ -206,12 +237,6 @@ class CapacitySearch:
                 "tpot_ms": m["tpot_ms"], "e2e_ms": m["e2e_ms"], "itl_ms": m["itl_ms"],
                 "dispatch_lag_ms": m["dispatch_lag_ms"], "duration_s": load.duration_s}
 
-    def body(self, n: int) -> list[Request]:
-        """The measured prompts (the warm-up ones come from the end of the pool)."""
-        w = self.o.warmup_count(self.cap)
-        usable = self.pool[: max(1, len(self.pool) - w)]
-        return [usable[i % len(usable)] for i in range(n)]
-
     def probe(self, rate: float) -> dict[str, Any]:
         """One rate: a first pass, then more requests (pooled) while undecided, up to the per-probe cap."""
         first, cap = self.o.probe_requests
@@ -224,7 +249,7 @@ class CapacitySearch:
         offset = 0
         while True:
             ramp = max(1, math.ceil(self.o.ramp_fraction * n))
-            batch = self.body(offset + n + ramp)[offset:]
+            batch = self.take(n + ramp)
             reqs = with_arrivals(batch, rate, self.o.arrival, self.o.seed + offset)
             span = (reqs[-1].arrival_s or 0.0) if reqs else 0.0
             load = self.run(reqs, concurrency=None, timeout_s=2.0 * span + 60.0,

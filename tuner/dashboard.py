@@ -193,8 +193,9 @@ def bound_lines(info: StudyInfo) -> dict[str, list[tuple[float, str]]]:
 class _Trials:
     """Gives a list of trials the `get_trials` of a study, so `tuner.study.rows_from_study` reads it."""
 
-    def __init__(self, trials: Sequence[Any]) -> None:
+    def __init__(self, trials: Sequence[Any], user_attrs: Mapping[str, Any] | None = None) -> None:
         self._trials = list(trials)
+        self.user_attrs = dict(user_attrs or {})  # the study's: re-measures of picked trials (tuner.confirm)
 
     def get_trials(self, deepcopy: bool = False, states: Any = None) -> list[Any]:
         return self._trials
@@ -251,8 +252,8 @@ class TrialView:
         return self.row.state in FINISHED
 
 
-def trial_views(trials: Sequence[Any]) -> list[TrialView]:
-    rows = rows_from_study(_Trials(trials))
+def trial_views(trials: Sequence[Any], study_attrs: Mapping[str, Any] | None = None) -> list[TrialView]:
+    rows = rows_from_study(_Trials(trials, study_attrs))
     out = []
     for t, r in zip(trials, rows):
         ua = t.user_attrs or {}
@@ -262,7 +263,7 @@ def trial_views(trials: Sequence[Any]) -> list[TrialView]:
         eng = ua.get("engine")
         out.append(TrialView(r, dict(getattr(t, "params", {}) or {}), list(reqs) if isinstance(reqs, list) else [],
                              eng if isinstance(eng, dict) else None, bool(ua.get("baseline")), dur,
-                             capacity_attr(ua)))
+                             r.capacity if r.trial_capacity is not None else capacity_attr(ua)))
     return sorted(out, key=lambda v: v.number)
 
 

@@ -60,6 +60,7 @@ class SearchContext:
     saturation_requests: int | None = None
     quality_max_limit: int | None = None  # escalation cap for an undecided quality gate
     max_kld: float | None = None  # KLD screen before lm-eval
+    confirm: int = 2  # re-measures of the pick after the last trial (tuner.confirm); 0: the trials' own figures
     quality_memo: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def settings(self) -> dict[str, Any]:

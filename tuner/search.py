@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -453,6 +454,8 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
                                        gc_after_trial=True)
                     except optuna.exceptions.UpdateFinishedTrialError:
                         pass  # our trial was failed by another worker (missed heartbeats): go on
+            bar.close()
+            confirm_pick(study, ctx, lock, me, progress)
     except KeyboardInterrupt:
         lock.release()
         if bar is not None:
@@ -471,6 +474,27 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
             return write_answer(study, ctx, storage_url, time.time() - t0)
     finally:
         lock.close()
+
+
+def confirm_pick(study: Any, ctx: SearchContext, lock: StorageLock, me: str, progress: bool) -> None:
+    """Re-measure the pick after the last trial (tuner.confirm), by one worker, when no trial is running: a
+    measurement beside another trial on the same machine would not be the figure the user gets."""
+    if ctx.confirm <= 0:
+        return
+    from tuner.confirm import confirm_best
+
+    with lock:
+        fail_dead_trials(study)
+        busy = [t.number for t in study.get_trials(deepcopy=False) if t.state.name == "RUNNING"]
+        owner = study.user_attrs.get("confirming")
+        if busy or (owner and owner != me and not local_worker_gone(owner)):
+            return  # the worker that ends last confirms
+        study.set_user_attr("confirming", me)
+    try:
+        confirm_best(study, ctx, ctx.confirm, log=lambda s: print(s, file=sys.stderr) if progress else None)
+    finally:
+        with lock:
+            study.set_user_attr("confirming", None)
 
 
 def remember_quality(ctx: SearchContext, trials: list[Any]) -> None:

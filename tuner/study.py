@@ -94,6 +94,7 @@ class Row:
     capacity: dict[str, Any] | None = None
     engine: str | None = None
     launch: list[str] | None = None  # a server engine's exact argv, as `tuner export` writes it
+    trial_capacity: dict[str, Any] | None = None  # the trial's own measure when `capacity` is its re-measure
 
     @property
     def feasible(self) -> bool:
@@ -116,13 +117,21 @@ class Row:
 
 
 def rows_from_study(study: Any) -> list[Row]:
+    """One row per trial; a trial re-measured after the search (tuner.confirm) carries that measure as its
+    capacity and metrics, its own in `trial_capacity`."""
+    confirmed = (getattr(study, "user_attrs", None) or {}).get("confirmed") or {}
     rows = []
     for t in study.get_trials(deepcopy=False):
         ua = t.user_attrs
-        rows.append(Row(t.number, t.state.name, ua.get("config") or {}, ua.get("metrics") or {},
+        again = confirmed.get(str(t.number))
+        metrics, capacity = ua.get("metrics") or {}, ua.get("capacity")
+        if again:
+            metrics, capacity = again.get("metrics") or metrics, again["capacity"]
+        rows.append(Row(t.number, t.state.name, ua.get("config") or {}, metrics,
                         ua.get("quality") or {}, ua.get("constraints"), ua.get("reason"),
-                        ua.get("cost_per_million_tokens"), ua.get("capacity"), (ua.get("engine") or {}).get("name"),
-                        launch_command((ua.get("engine") or {}).get("info") or {})))
+                        ua.get("cost_per_million_tokens"), capacity, (ua.get("engine") or {}).get("name"),
+                        launch_command((ua.get("engine") or {}).get("info") or {}),
+                        ua.get("capacity") if again else None))
     return rows
 
 
@@ -222,6 +231,9 @@ def statement(best: Row, base: Row | None, gain: dict[str, Any]) -> str:
             f"[{lo:.3g}, {hi:.3g}] within the SLO")
     if best.tok_s:
         text += f" ({best.tok_s:.1f} output tok/s)"
+    if best.trial_capacity is not None:
+        text += (f" (re-measured after the search; "
+                 f"{float(best.trial_capacity.get('requests_per_s') or 0):.3g} req/s in its trial)")
     if base is not None:
         if gain.get("gain_over_baseline"):
             g_lo, g_hi = gain["gain_ci"]
@@ -279,6 +291,8 @@ def summary(r: Row) -> dict[str, Any]:
         "ttft_ms": m.get("ttft_ms"), "tpot_ms": m.get("tpot_ms"), "e2e_ms": m.get("e2e_ms"),
         "failed_requests": m.get("failed"), "quality": r.quality, "quality_verdict": gate.get("verdict"),
         "cost_per_million_tokens": r.cost, "reason": r.reason, "launch": r.launch,
+        "confirmed": r.trial_capacity is not None,
+        "in_trial_requests_per_s": (r.trial_capacity or {}).get("requests_per_s") if r.trial_capacity else None,
     }
 
 

@@ -1,12 +1,16 @@
-"""A short `tuner search --engine llamacpp` on smollm2-135m, then the closed loop on its answer, in one run:
+"""A short `tuner search --engine E` on smollm2-135m (E = llamacpp or vllm), then the closed loop on its answer:
 
-(a) the search: every trial a real llama-server launched with the exported argv, capacity within the SLO measured
-    by the capacity search, quality by llama-perplexity on the served GGUF + KV type; it must end with a
-    recommendation and its exact llama-server command (printed as the search prints it).
-(b) closed loop: `tuner export --best --to llamacpp` of that study, then `tuner bench --config <export> --capacity`
-    three times with the workload and SLO the export recorded; goal: the median within +-10% of the search's figure.
+(a) the search: every trial a real server (llama-server / vLLM) launched with the exported argv, capacity within the
+    SLO measured by the capacity search, quality of what is served (llama-perplexity on the GGUF + KV type; vLLM:
+    through the endpoint); it must end with a recommendation and its exact launch command (printed as the search
+    prints it). The pick is re-measured after the last trial (`--confirm`, the search's default) and the answer
+    reports that figure.
+(b) closed loop: `tuner export --best --to E` of that study, then `tuner bench --config <export> --capacity`
+    three times with the workload and SLO the export recorded; goal: the median within +-10% of the search's figure
+    (the figure printed also against the pick's own in-trial figure).
 
-Usage: .venv/bin/python benchmarks/bench_llamacpp_search.py [--trials 8] [--target 2s] [--metric ttft:p90]
+Usage: .venv/bin/python benchmarks/bench_search_closed_loop.py [--engine llamacpp] [--trials 8] [--target 2s]
+       [--metric ttft:p90]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def tuner(*args: str) -> subprocess.CompletedProcess:
 
 def main() -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--engine", default="llamacpp", choices=("llamacpp", "vllm"))
     p.add_argument("--trials", type=int, default=8)
     p.add_argument("--target", default="2s")
     p.add_argument("--metric", default="ttft:p90")
@@ -40,16 +45,16 @@ def main() -> int:
     p.add_argument("--max-quality-drop", default="3", help="pp (paired upper bound), as `tuner search`")
     p.add_argument("--quality", default="arc_easy,piqa:50:100", help="TASKS:LIMIT:MAX_LIMIT of the quality gate")
     args = p.parse_args()
-    results = Path(args.results_dir or tempfile.mkdtemp(prefix="tuner-llamacpp-search-"))
+    results = Path(args.results_dir or tempfile.mkdtemp(prefix=f"tuner-{args.engine}-search-"))
     tasks, limit, max_limit = args.quality.split(":")
     print(f"machine {machine_gflops():.0f} GFLOP/s before the search", flush=True)
     t0 = time.perf_counter()
-    proc = tuner("search", "--engine", "llamacpp", "--model", MODEL, "--latency-target", args.target,
+    proc = tuner("search", "--engine", args.engine, "--model", MODEL, "--latency-target", args.target,
                  "--latency-metric", args.metric, "--trials", str(args.trials), "--results-dir", str(results),
                  "--study", args.study, "--seed", "0", "--quiet", "--max-quality-drop", args.max_quality_drop,
                  "--quality-tasks", tasks, "--quality-limit", limit, "--quality-max-limit", max_limit)
     wall = time.perf_counter() - t0
-    print(f"(a) tuner search --engine llamacpp --model {MODEL} --latency-target {args.target} --latency-metric "
+    print(f"(a) tuner search --engine {args.engine} --model {MODEL} --latency-target {args.target} --latency-metric "
           f"{args.metric} --trials {args.trials} --max-quality-drop {args.max_quality_drop} --quality-tasks {tasks} "
           f"--quality-limit {limit} --quality-max-limit {max_limit}  ({wall / 60:.1f} min, exit {proc.returncode})")
     print("\n".join("    " + line for line in proc.stdout.splitlines()))
@@ -62,7 +67,7 @@ def main() -> int:
         return 1
     export = results / "export.json"
     px = tuner("export", "--study", args.study, "--storage", f"sqlite:///{results / 'tuner.db'}", "--best", "--to",
-               "llamacpp", "-o", str(export), "--force")
+               args.engine, "-o", str(export), "--force")
     if px.returncode != 0:
         print(px.stderr[-2000:])
         return 1
@@ -70,26 +75,29 @@ def main() -> int:
     figure = rec["capacity_requests_per_s"]
     method = cap.get("method") or {}
     probe, max_probes = method.get("probe_requests") or [30, 120], method.get("max_probes") or 5
+    own = rec.get("in_trial_requests_per_s")
     print(f"(b) closed loop: export of trial {rec['trial']} re-measured {args.repeats}x with tuner bench --config "
-          f"(search's figure {figure:.3f} req/s {rec['capacity_ci']})")
+          f"(search's figure {figure:.3f} req/s {rec['capacity_ci']}"
+          + (f", re-measured after the search; {own:.3f} in its trial)" if rec.get("confirmed") else ")"))
     again = []
     for i in range(args.repeats):
         out = results / f"again-{i}.json"
         gflops = machine_gflops()
         pb = tuner("bench", "--config", str(export), "--capacity", "--json", str(out), "--quiet", "--no-bandwidth",
                    "--probe-requests", f"{probe[0]}:{probe[1]}", "--max-probes", str(max_probes),
-                   "--capacity-timeout", "10m")  # the search's capacity budget (search_spaces/llamacpp-cpu.yaml)
+                   "--capacity-timeout", "10m")  # the search's capacity budget (search_spaces/<engine>-cpu.yaml)
         if pb.returncode != 0 or not out.is_file():
             print(f"    run {i + 1}: failed: {(pb.stderr.strip().splitlines() or ['?'])[-1]}")
             continue
         c = json.loads(out.read_text())["metrics"]["capacity"]
         again.append(c["requests_per_s"])
-        print(f"    run {i + 1}: {c['requests_per_s']:.3f} req/s {c['requests_per_s_ci']} {c['verdict']}  (machine {gflops:.0f} GFLOP/s before)",
-              flush=True)
+        print(f"    run {i + 1}: {c['requests_per_s']:.3f} req/s {c['requests_per_s_ci']} {c['verdict']}  (machine {gflops:.0f} GFLOP/s before)", flush=True)
     if again:
         med = statistics.median(again)
         dev = (med - figure) / figure * 100 if figure else float("nan")
         print(f"    median {med:.3f} req/s vs the search's {figure:.3f}: {dev:+.1f}% (goal within +-10%)")
+        if rec.get("confirmed") and own:
+            print(f"    (vs the pick's own in-trial figure {own:.3f}: {(med - own) / own * 100:+.1f}%)")
     return 0
 
 
