@@ -116,14 +116,23 @@ class Row:
         return float((self.capacity or {}).get("output_tokens_per_s") or 0.0)
 
 
+CONFIRMED = "confirmed"  # study attribute: trial number -> its re-measure after the search (tuner.confirm)
+
+
+def remeasure_of(study: Any, number: int) -> dict[str, Any] | None:
+    """Trial `number`'s re-measure after the search ({capacity, metrics, wall_s}), or None: the figure the answer,
+    the dashboard and `tuner export` report for it."""
+    again = ((getattr(study, "user_attrs", None) or {}).get(CONFIRMED) or {}).get(str(number))
+    return again if isinstance(again, dict) and isinstance(again.get("capacity"), dict) else None
+
+
 def rows_from_study(study: Any) -> list[Row]:
     """One row per trial; a trial re-measured after the search (tuner.confirm) carries that measure as its
     capacity and metrics, its own in `trial_capacity`."""
-    confirmed = (getattr(study, "user_attrs", None) or {}).get("confirmed") or {}
     rows = []
     for t in study.get_trials(deepcopy=False):
         ua = t.user_attrs
-        again = confirmed.get(str(t.number))
+        again = remeasure_of(study, t.number)
         metrics, capacity = ua.get("metrics") or {}, ua.get("capacity")
         if again:
             metrics, capacity = again.get("metrics") or metrics, again["capacity"]

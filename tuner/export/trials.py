@@ -14,6 +14,7 @@ from typing import Any
 
 from tuner.config import TrialConfig
 from tuner.errors import TunerError
+from tuner.study import remeasure_of
 
 DEFAULT_STORAGE = "sqlite:///results/tuner.db"
 
@@ -80,9 +81,8 @@ def load_trial(study_name: str, storage: str = DEFAULT_STORAGE, number: int | No
     engine = trial.user_attrs.get("engine")
     metrics = trial.user_attrs.get("metrics")
     capacity = trial.user_attrs.get("capacity")
-    again = (study.user_attrs.get("confirmed") or {}).get(str(number))
-    if isinstance(again, dict) and isinstance(again.get("capacity"), dict):  # re-measured after the search (the
-        # figure the answer reports: tuner.confirm)
+    again = remeasure_of(study, number)  # re-measured after the search: the figure the answer reports
+    if again:
         metrics = again.get("metrics") or metrics
         capacity = {**again["capacity"], "in_trial_requests_per_s": (capacity or {}).get("requests_per_s")}
     if isinstance(metrics, dict) and isinstance(capacity, dict):  # the measure the search ranked it by, with its SLO
