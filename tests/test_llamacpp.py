@@ -194,6 +194,11 @@ def test_capacity_sends_every_prompt_once_so_the_prompt_cache_never_serves_it():
         e.stop(drain=False)
     assert cap["cost"]["requests"] == search.cursor == len(searched) <= len(pool)
     assert not any("repeat" in n for n in cap["notes"])
-    reused = [t["cache_n"] / (t["cache_n"] + t["prompt_n"]) for t in searched]
+    # a request cut off by a probe's early stop or time limit ends without the server's timings: it is not a
+    # measurement of the cache either way, but most of the search's requests must have finished
+    finished = [t for t in searched if "cache_n" in t]
+    assert len(finished) >= len(searched) // 2, (len(finished), len(searched))
+    reused = [t["cache_n"] / (t["cache_n"] + t["prompt_n"]) for t in finished]
     assert max(reused) < 0.2, sorted(reused)[-5:]
-    assert len(again) == 6 and min(t["cache_n"] / (t["cache_n"] + t["prompt_n"]) for t in again) > 0.5
+    assert len(again) == 6 and all("cache_n" in t for t in again)
+    assert min(t["cache_n"] / (t["cache_n"] + t["prompt_n"]) for t in again) > 0.5
