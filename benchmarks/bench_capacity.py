@@ -6,6 +6,7 @@ measurement in a fresh process, interleaved so slow drifts of the shared machine
 (b) repeatability: the chosen config measured --repeat times: spread of capacity around the median. Goal +-10%.
 
 Usage: .venv/bin/python benchmarks/bench_capacity.py [--slo "ttft:p90<2s"] [--repeat 3] [--json out.json]
+       [--engine llamacpp|vllm --skip-default --config Q8_0,8,0.002,none]
        [--config quant,cap,kv,draft] [--input-len 64:192] [--output-len 24:48] [--probe-requests 30:60]
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -45,12 +47,14 @@ def measure(cfg: tuple, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "cap.json"
         t = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "tuner", "bench", "--model", MODEL, "--quant", quant,
+        proc = subprocess.run([sys.executable, "-m", "tuner", "bench", "--engine", args.engine, "--model", MODEL,
+                               "--quant", quant,
                                "--batch-cap", str(cap), "--kv-fraction", str(kv), "--draft", draft, "--capacity",
                                "--slo", args.slo, "--input-len", args.input_len, "--output-len", args.output_len,
                                "--probe-requests", args.probe_requests, "--max-probes", str(args.max_probes),
                                "--capacity-timeout", args.capacity_timeout, "--seed", str(args.seed),
-                               "--no-bandwidth", "--quiet", "--json", str(out)], capture_output=True, text=True)
+                               "--no-bandwidth", "--quiet", "--json", str(out), *shlex.split(args.bench_args)],
+                              capture_output=True, text=True)
         wall = time.perf_counter() - t
         if proc.returncode != 0 or not out.is_file():
             return {"config": cfg, "error": (proc.stderr.strip().splitlines() or ["?"])[-1], "wall_s": wall,
@@ -105,11 +109,19 @@ def main() -> int:
     p.add_argument("--capacity-timeout", default="10m")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-default", action="store_true", help="repeatability only")
+    p.add_argument("--engine", default="transformers", choices=("transformers", "llamacpp", "vllm"),
+                   help="who serves --config (the gain (a) compares with transformers' default only)")
+    p.add_argument("--bench-args", default="", help="more `tuner bench` flags for --config, e.g. the engine's own "
+                   "knobs: '--reserved-cpus 0 --chunked-prefill off'")
     p.add_argument("--json")
     args = p.parse_args()
+    if args.engine != "transformers" and not args.skip_default:
+        print(f"--engine {args.engine}: the gain (a) is against transformers' default; expected --skip-default",
+              file=sys.stderr)
+        return 2
     q, cap, kv, draft = args.config.split(",")
     chosen = (q, int(cap), float(kv), draft)
-    print(f"SLO {args.slo}, workload in {args.input_len} out {args.output_len}, probes {args.probe_requests} "
+    print(f"engine {args.engine}, SLO {args.slo}, workload in {args.input_len} out {args.output_len}, probes {args.probe_requests} "
           f"x {args.max_probes}")
     runs: list[dict] = []
     base: list[dict] = []

@@ -68,9 +68,10 @@ def settings_differ(old: dict[str, Any], new: dict[str, Any], prefix: str = "") 
 
 
 # -------------------------------------------------------------------------------------------- sampler --- #
-def make_sampler(seed: int, n_trials: int) -> Any:
+def make_sampler(seed: int, n_trials: int, space: Any = None) -> Any:
     """Seeded multivariate TPE; constraints come from each trial's `set_constraint`; constant liar so parallel
-    workers do not pick the same config while one is running; random state re-seeded per trial number."""
+    workers do not pick the same config while one is running; random state re-seeded per trial number. Given the
+    search space, it never proposes a configuration the study has already measured (see `NoRepeatTPE`)."""
     import optuna
 
     class TrialSeededTPESampler(optuna.samplers.TPESampler):
@@ -86,8 +87,10 @@ def make_sampler(seed: int, n_trials: int) -> Any:
             reseed_sampler(self, (self._base_seed * 1_000_003 + trial.number * 7_919) % 2**32)
             super().before_trial(study, trial)
 
-    return TrialSeededTPESampler(seed=seed, n_startup_trials=3,
-                                 multivariate=True, group=True, constant_liar=True)
+    kwargs = {"n_startup_trials": 3, "multivariate": True, "group": True, "constant_liar": True}
+    if space is None:
+        return TrialSeededTPESampler(seed=seed, **kwargs)
+    return no_repeat_tpe(TrialSeededTPESampler)(seed=seed, space=space, **kwargs)
 
 
 # --------------------------------------------------------- the one place private Optuna API is used --- #
@@ -96,6 +99,99 @@ def reseed_sampler(sampler: Any, seed: int) -> None:
     """Re-seed a TPESampler's random state (TPE and its start-up random sampler)."""
     sampler._rng.rng.seed(seed)
     sampler._random_sampler._rng.rng.seed((seed + 1) % 2**32)
+
+
+def no_repeat_tpe(base: type) -> type:
+    """A TPE sampler that does not spend a trial re-measuring a configuration: a search space is finite in its
+    categorical knobs (a batch cap, a format), and plain TPE, whose acquisition peaks at the best point seen, keeps
+    proposing configurations already measured -- each a full capacity measurement that adds nothing. Candidates all
+    of whose configurations were measured (trials COMPLETE, PRUNED or RUNNING: tuner.space.all_measured) get an
+    acquisition of -inf, so TPE takes its best *new* candidate; when every candidate is old, one of the values not
+    yet exhausted is drawn at random; a start-up (random) draw that repeats one is drawn again the same way. A space
+    with every configuration measured gets a repeat (nothing new is left). Overrides TPE's private `_sample` and
+    `_compute_acquisition_func` (Optuna 5.x)."""
+    import numpy as np
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+    from optuna.trial import TrialState
+
+    from tuner.space import all_measured, config_key
+
+    def finite_values(dist: Any) -> list[Any] | None:
+        if isinstance(dist, CategoricalDistribution):
+            return list(dist.choices)
+        if isinstance(dist, IntDistribution) and (dist.high - dist.low) // dist.step < 1024:
+            return list(range(dist.low, dist.high + 1, dist.step))
+        return None
+
+    class NoRepeatTPE(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, space: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._space = space
+            self._partial: dict[str, Any] | None = None  # relative parameters of this trial's earlier groups
+            self._mask: tuple[dict[str, Any], dict[str, Any], set] | None = None
+
+        def seen(self, study: Any, trial: Any) -> set:
+            states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+            keys = (config_key(self._space, t.params) for t in study.get_trials(deepcopy=False, states=states)
+                    if t.number != trial.number)
+            return {k for k in keys if k is not None}
+
+        def fresh(self, known: dict[str, Any], search_space: dict[str, Any], seen: set) -> dict[str, Any] | None:
+            """A random combination of `search_space` values with an unmeasured configuration (None: none left)."""
+            names = list(search_space)
+            options = [finite_values(search_space[n]) for n in names]
+            if any(o is None for o in options):
+                return None
+            combos = [dict(zip(names, c)) for c in _product(options)]
+            new = [c for c in combos if not all_measured(self._space, {**known, **c}, seen)]
+            return new[int(self._rng.rng.randint(len(new)))] if new else None
+
+        def sample_relative(self, study: Any, trial: Any, search_space: dict[str, Any]) -> dict[str, Any]:
+            self._partial = {}
+            try:
+                return super().sample_relative(study, trial, search_space)
+            finally:
+                self._partial = None
+
+        def sample_independent(self, study: Any, trial: Any, name: str, dist: Any) -> Any:
+            value = super().sample_independent(study, trial, name, dist)
+            seen = self.seen(study, trial)
+            if all_measured(self._space, {**trial.params, name: value}, seen):  # a start-up draw, or all old
+                alt = self.fresh(dict(trial.params), {name: dist}, seen)
+                value = alt[name] if alt else value
+            return value
+
+        def _sample(self, study: Any, trial: Any, search_space: dict[str, Any]) -> dict[str, Any]:
+            known = {**trial.params, **(self._partial or {})}
+            seen = self.seen(study, trial)
+            self._mask = (known, search_space, seen)
+            try:
+                ret = super()._sample(study, trial, search_space)
+            finally:
+                self._mask = None
+            if all_measured(self._space, {**known, **ret}, seen):
+                ret = self.fresh(known, search_space, seen) or ret
+            if self._partial is not None:
+                self._partial.update(ret)
+            return ret
+
+        def _compute_acquisition_func(self, samples: dict[str, Any], below: Any, above: Any) -> Any:
+            vals = super()._compute_acquisition_func(samples, below, above)
+            if self._mask is not None:
+                known, search_space, seen = self._mask
+                for i in range(len(vals)):
+                    cand = {n: d.to_external_repr(samples[n][i]) for n, d in search_space.items()}
+                    if all_measured(self._space, {**known, **cand}, seen):
+                        vals[i] = -np.inf
+            return vals
+
+    return NoRepeatTPE
+
+
+def _product(options: list[Any]) -> list[tuple[Any, ...]]:
+    import itertools
+
+    return list(itertools.product(*options))
 
 
 def stale_trial_ids(study: Any) -> tuple[set[int], float | None]:
@@ -228,7 +324,7 @@ def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_tri
     import optuna
 
     storage = open_storage(storage_url, create=not join, read_only=False)
-    sampler = make_sampler(seed, n_trials)
+    sampler = make_sampler(seed, n_trials, ctx.space)
     if join and name not in optuna.study.get_all_study_names(storage):
         raise TunerError(f"study {name!r} does not exist in {storage_url}: start it with `tuner search --study "
                          f"{name} --storage ...` (a worker only joins an existing study)")

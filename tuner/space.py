@@ -275,6 +275,11 @@ def _suggest(trial: Any, knob: Knob, prefix: str = "") -> Any:
     return trial.suggest_float(name, knob.low, knob.high, log=knob.log)
 
 
+def switched_off_value(space: Space, name: str) -> Any:
+    """What a knob takes where its `when:` does not hold: no draft; otherwise the baseline's (unused) value."""
+    return DEFAULTS[name] if name == "draft" else space.baseline[name]
+
+
 def suggest_config(trial: Any, space: Space, model: str, device: str) -> TrialConfig:
     """Sample one configuration (works with optuna.Trial and optuna.trial.FixedTrial)."""
     prefix = ""
@@ -286,7 +291,61 @@ def suggest_config(trial: Any, space: Space, model: str, device: str) -> TrialCo
         if all(values.get(k) in allowed for k, allowed in knob.when.items()):
             values[name] = _suggest(trial, knob, prefix)
         else:
-            values[name] = DEFAULTS[name] if name == "draft" else space.baseline[name]
+            values[name] = switched_off_value(space, name)
     merged = {k: values.get(k, space.baseline[k]) for k in KNOBS}
     return TrialConfig(model=model, device=device, engine=space.engine, endpoint=space.endpoint,
                        served_model=space.served_model, **merged)
+
+
+# ---------------------------------------------------------------- configurations already measured --- #
+class _Open(Exception):
+    """A continuous knob is still to be sampled: its completions cannot all have been measured."""
+
+
+def _completions(space: Space, known: dict[str, Any], prefix: str = "") -> list[tuple[tuple[str, Any], ...]]:
+    """Every configuration (as the applicable knobs' values, in Optuna's parameter names) that agrees with the
+    parameters in `known`; knobs a `when:` switches off do not count. Raises _Open where a continuous knob is open."""
+    if space.engines and not prefix:
+        engines = [known["engine"]] if "engine" in known else [s.engine for s in space.engines]
+        out = []
+        for e in engines:
+            sub = next((s for s in space.engines if s.engine == e), None)
+            if sub is not None:
+                out += [(("engine", e), *c) for c in _completions(sub, known, f"{e}.")]
+        return out
+    partial: list[list[tuple[str, Any, bool]]] = [[]]  # (knob, value, applies): values as suggest_config sets them
+    for name, knob in space.knobs.items():
+        grown = []
+        for c in partial:
+            values = {k: v for k, v, _ in c}
+            if not all(values.get(k) in allowed for k, allowed in knob.when.items()):
+                grown.append([*c, (name, switched_off_value(space, name), False)])  # switched off here: not part of the configuration's key
+                continue
+            name_p = prefix + name
+            if name_p in known:
+                choices: tuple[Any, ...] = (known[name_p],)
+            elif knob.choices is not None:
+                choices = knob.choices
+            else:
+                raise _Open(name_p)
+            grown += [[*c, (name, v, True)] for v in choices]
+        partial = grown
+    return [tuple((prefix + k, v) for k, v, applies in c if applies) for c in partial]
+
+
+def config_key(space: Space, params: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
+    """The configuration a trial's parameters select (None when a parameter it needs is missing)."""
+    try:
+        found = _completions(space, params)
+    except _Open:
+        return None
+    return found[0] if len(found) == 1 else None
+
+
+def all_measured(space: Space, known: dict[str, Any], seen: set[tuple[tuple[str, Any], ...]]) -> bool:
+    """True when every configuration agreeing with `known` is in `seen`: sampling it would measure a
+    configuration twice. False while a continuous knob is open (its values are never exhausted)."""
+    try:
+        return all(c in seen for c in _completions(space, known))
+    except _Open:
+        return False
