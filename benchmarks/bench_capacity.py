@@ -48,8 +48,8 @@ def measure(cfg: tuple, args: argparse.Namespace) -> dict:
         out = Path(d) / "cap.json"
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "tuner", "bench", "--engine", args.engine, "--model", MODEL,
-                               "--quant", quant,
-                               "--batch-cap", str(cap), "--kv-fraction", str(kv), "--draft", draft, "--capacity",
+                               "--quant", quant, "--batch-cap", str(cap), "--kv-fraction", str(kv), "--draft", draft,
+                               "--capacity",
                                "--slo", args.slo, "--input-len", args.input_len, "--output-len", args.output_len,
                                "--probe-requests", args.probe_requests, "--max-probes", str(args.max_probes),
                                "--capacity-timeout", args.capacity_timeout, "--seed", str(args.seed),
@@ -121,8 +121,8 @@ def main() -> int:
         return 2
     q, cap, kv, draft = args.config.split(",")
     chosen = (q, int(cap), float(kv), draft)
-    print(f"engine {args.engine}, SLO {args.slo}, workload in {args.input_len} out {args.output_len}, probes {args.probe_requests} "
-          f"x {args.max_probes}")
+    print(f"engine {args.engine}, SLO {args.slo}, workload in {args.input_len} out {args.output_len}, "
+          f"probes {args.probe_requests} x {args.max_probes}")
     runs: list[dict] = []
     base: list[dict] = []
     for i in range(args.repeat):  # interleaved: chosen, default, chosen, ...

@@ -23,6 +23,7 @@ Reliability contract:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -128,22 +129,24 @@ def no_repeat_tpe(base: type) -> type:
             super().__init__(*args, **kwargs)
             self._space = space
             self._partial: dict[str, Any] | None = None  # relative parameters of this trial's earlier groups
-            self._mask: tuple[dict[str, Any], dict[str, Any], set] | None = None
+            self._mask: tuple[dict[str, Any], dict[str, Any]] | None = None
+            self._seen: set = set()  # configurations measured or running when this trial started
 
-        def seen(self, study: Any, trial: Any) -> set:
+        def before_trial(self, study: Any, trial: Any) -> None:
+            super().before_trial(study, trial)
             states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
             keys = (config_key(self._space, t.params) for t in study.get_trials(deepcopy=False, states=states)
                     if t.number != trial.number)
-            return {k for k in keys if k is not None}
+            self._seen = {k for k in keys if k is not None}
 
-        def fresh(self, known: dict[str, Any], search_space: dict[str, Any], seen: set) -> dict[str, Any] | None:
+        def fresh(self, known: dict[str, Any], search_space: dict[str, Any]) -> dict[str, Any] | None:
             """A random combination of `search_space` values with an unmeasured configuration (None: none left)."""
             names = list(search_space)
             options = [finite_values(search_space[n]) for n in names]
             if any(o is None for o in options):
                 return None
-            combos = [dict(zip(names, c)) for c in _product(options)]
-            new = [c for c in combos if not all_measured(self._space, {**known, **c}, seen)]
+            combos = [dict(zip(names, c)) for c in itertools.product(*options)]
+            new = [c for c in combos if not all_measured(self._space, {**known, **c}, self._seen)]
             return new[int(self._rng.rng.randint(len(new)))] if new else None
 
         def sample_relative(self, study: Any, trial: Any, search_space: dict[str, Any]) -> dict[str, Any]:
@@ -155,22 +158,20 @@ def no_repeat_tpe(base: type) -> type:
 
         def sample_independent(self, study: Any, trial: Any, name: str, dist: Any) -> Any:
             value = super().sample_independent(study, trial, name, dist)
-            seen = self.seen(study, trial)
-            if all_measured(self._space, {**trial.params, name: value}, seen):  # a start-up draw, or all old
-                alt = self.fresh(dict(trial.params), {name: dist}, seen)
+            if all_measured(self._space, {**trial.params, name: value}, self._seen):  # a start-up draw, or all old
+                alt = self.fresh(dict(trial.params), {name: dist})
                 value = alt[name] if alt else value
             return value
 
         def _sample(self, study: Any, trial: Any, search_space: dict[str, Any]) -> dict[str, Any]:
             known = {**trial.params, **(self._partial or {})}
-            seen = self.seen(study, trial)
-            self._mask = (known, search_space, seen)
+            self._mask = (known, search_space)
             try:
                 ret = super()._sample(study, trial, search_space)
             finally:
                 self._mask = None
-            if all_measured(self._space, {**known, **ret}, seen):
-                ret = self.fresh(known, search_space, seen) or ret
+            if all_measured(self._space, {**known, **ret}, self._seen):
+                ret = self.fresh(known, search_space) or ret
             if self._partial is not None:
                 self._partial.update(ret)
             return ret
@@ -178,20 +179,14 @@ def no_repeat_tpe(base: type) -> type:
         def _compute_acquisition_func(self, samples: dict[str, Any], below: Any, above: Any) -> Any:
             vals = super()._compute_acquisition_func(samples, below, above)
             if self._mask is not None:
-                known, search_space, seen = self._mask
+                known, search_space = self._mask
                 for i in range(len(vals)):
                     cand = {n: d.to_external_repr(samples[n][i]) for n, d in search_space.items()}
-                    if all_measured(self._space, {**known, **cand}, seen):
+                    if all_measured(self._space, {**known, **cand}, self._seen):
                         vals[i] = -np.inf
             return vals
 
     return NoRepeatTPE
-
-
-def _product(options: list[Any]) -> list[tuple[Any, ...]]:
-    import itertools
-
-    return list(itertools.product(*options))
 
 
 def stale_trial_ids(study: Any) -> tuple[set[int], float | None]:

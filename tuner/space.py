@@ -319,7 +319,8 @@ def _completions(space: Space, known: dict[str, Any], prefix: str = "") -> list[
         for c in partial:
             values = {k: v for k, v, _ in c}
             if not all(values.get(k) in allowed for k, allowed in knob.when.items()):
-                grown.append([*c, (name, switched_off_value(space, name), False)])  # switched off here: not part of the configuration's key
+                # switched off here: the value suggest_config gives it, not part of the configuration's key
+                grown.append([*c, (name, switched_off_value(space, name), False)])
                 continue
             name_p = prefix + name
             if name_p in known:
