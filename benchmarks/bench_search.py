@@ -11,8 +11,9 @@ Usage:
   .venv/bin/python benchmarks/bench_search.py grid --out results/bench/capacity-grid.json --slo "ttft:p90<2s"
   .venv/bin/python benchmarks/bench_search.py replay [--grid results/bench/capacity-grid.json]
   (default grid: benchmarks/data/capacity-grid-smollm2-cpu.json, measured here with the defaults above, ~45 min)
-Goal: median trials <= 20% of the grid, and better than random in >= 8 of 10 seeds. Also printed: TPE alone, without
-the sampler's no-repeat rule (tuner.search.no_repeat_tpe).
+Goal: median trials <= 20% of the grid, and better than random in >= 8 of 10 seeds. Also printed: TPE alone (no
+start-up sweep, no no-repeat rule: tuner.search.enqueue_start, no_repeat_tpe). `replay --mirror-caps` replays on
+the grid with its batch caps reversed, where the start-up sweep's prior (capacity grows with the cap) is wrong.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def space_file(path: Path) -> Path:
     path.write_text(
         "knobs:\n"
         f"  quant: {{choices: {json.dumps(QUANTS)}}}\n"
-        f"  batch_cap: {{choices: {json.dumps(CAPS)}}}\n"
+        f"  batch_cap: {{choices: {json.dumps(CAPS)}, increasing: true}}\n"
         f"  draft: {{choices: {json.dumps(DRAFTS)}, when: {{batch_cap: [1]}}}}\n"
         f"  kv_fraction: {{choices: {json.dumps(KVS)}, when: {{draft: [none]}}}}\n"
         f"baseline: {json.dumps(BASELINE)}\n")
@@ -129,7 +130,7 @@ def replay_search(data: dict, ctx, seed: int, budget: int, no_repeat: bool = Tru
     import optuna
 
     from tuner.objective import TrialFailed, apply_capacity, apply_quality
-    from tuner.search import DIRECTIONS, make_sampler
+    from tuner.search import DIRECTIONS, enqueue_start, make_sampler
     from tuner.space import suggest_config
 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -137,7 +138,10 @@ def replay_search(data: dict, ctx, seed: int, budget: int, no_repeat: bool = Tru
     surface = {key(r["knobs"]): r for r in data["rows"]}
     sampler = make_sampler(seed, budget, ctx.space if no_repeat else None)
     study = optuna.create_study(directions=DIRECTIONS, sampler=sampler)
-    study.enqueue_trial(dict(ctx.space.baseline), user_attrs={"baseline": True})
+    if no_repeat:
+        enqueue_start(study, ctx.space, seed, budget)
+    else:  # TPE alone: the baseline, then TPE
+        study.enqueue_trial(dict(ctx.space.baseline), user_attrs={"baseline": True})
     order: list[dict] = []
 
     def objective(trial):
@@ -171,9 +175,21 @@ def trials_to_reach(order: list[dict], data: dict, ctx, goal: float) -> int:
     return len(order) + 1
 
 
+def mirrored(data: dict) -> dict:
+    """The grid with its batch caps reversed (cap 1 measured as cap 16's and so on; drafts stay at cap 1): a
+    surface whose best lies at the smallest cap, where the search's start-up prior (formats at the top cap) is
+    wrong, to show what that prior costs when it misleads."""
+    flip = dict(zip(CAPS, reversed(CAPS)))
+    rows = [dict(r, knobs=dict(r["knobs"], batch_cap=flip[r["knobs"]["batch_cap"]]))
+            if r["knobs"]["draft"] == "none" else r for r in data["rows"]]
+    return dict(data, rows=rows)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     data = json.loads(Path(args.grid).read_text())
     data["max_quality_drop"] = args.max_quality_drop
+    if args.mirror_caps:
+        data = mirrored(data)
     with tempfile.TemporaryDirectory() as d:
         ctx = search_context(data, space_file(Path(d) / "space.yaml"))
     best = max(feasible_capacity(r, data, ctx) for r in data["rows"])
@@ -222,6 +238,7 @@ def main() -> int:
                    "this 2-core CPU on 2026-12-04 (bench_search.py grid, defaults), or one you measured")
     r.add_argument("--max-quality-drop", type=float, default=5.0)
     r.add_argument("--seeds", type=int, default=10)
+    r.add_argument("--mirror-caps", action="store_true", help="replay on the grid with its batch caps reversed")
     args = ap.parse_args()
     return {"grid": cmd_grid, "replay": cmd_replay}[args.cmd](args)
 

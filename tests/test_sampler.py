@@ -83,3 +83,56 @@ def test_every_trial_measures_a_new_configuration_until_the_grid_is_exhausted(tm
     assert len(set(plain)) < n
     more = run(space, make_sampler(seed, n + 3, space), n + 3)  # nothing new left: it repeats, it does not fail
     assert len(set(more)) == n
+
+
+def test_a_new_study_measures_the_default_then_every_format_at_the_top_batch_cap(tmp_path):
+    from tuner.search import enqueue_start
+
+    space = grid_space(tmp_path, GRID.replace("batch_cap: {choices: [1, 2, 4, 8, 16]}",
+                                              "batch_cap: {choices: [1, 2, 4, 8, 16], increasing: true}"))
+    orders = []
+    for seed in (0, 1):
+        study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(seed, 12, space))
+        enqueue_start(study, space, seed, 12)
+        study.optimize(lambda t: (suggest_config(t, space, "m", "cpu").batch_cap, 0.5), n_trials=6)
+        orders.append([(t.params["quant"], t.params["batch_cap"]) for t in study.trials])
+    for order in orders:
+        assert order[0] == ("fp32", 1)  # the engine default first
+        assert sorted(order[1:5]) == sorted((q, 16) for q in SPEED)  # each format once, at the top cap
+    assert orders[0][1:5] != orders[1][1:5]  # in the seed's order
+    # a small budget: the sweep takes at most half of the trials after the default
+    study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(0, 6, space))
+    enqueue_start(study, space, 0, 6)
+    waiting = [t.params for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))]
+    assert len(waiting) == 1 + (6 - 1) // 2
+
+
+def test_the_sweep_uses_the_listed_top_not_a_baseline_beyond_it_and_takes_turns_across_engines(tmp_path):
+    from tuner.space import combine_spaces, startup_sweep
+
+    vllm_like = grid_space(tmp_path, GRID.replace("batch_cap: {choices: [1, 2, 4, 8, 16]}",
+                                                  "batch_cap: {choices: [2, 4, 8], increasing: true}")
+                           .replace("batch_cap: 1,", "batch_cap: 128,"))
+    assert 128 in vllm_like.knobs["batch_cap"].choices  # the default is a point of the space ...
+    sweep = startup_sweep(vllm_like, 0, 10)
+    assert {p["batch_cap"] for p in sweep} == {8}  # ... but the sweep stays at the top the file lists
+    assert sorted(p["quant"] for p in sweep) == sorted(SPEED)
+    lp = tmp_path / "llamacpp.yaml"
+    lp.write_text("engine: llamacpp\nknobs:\n  quant: {choices: [F16, Q8_0, Q4_0]}\n"
+                  "  batch_cap: {choices: [1, 4], increasing: true}\nbaseline: {quant: F16, batch_cap: 4}\n")
+    both, _ = combine_spaces([vllm_like, load_space(lp)])
+    sweep = startup_sweep(both, 0, 5)
+    assert [p["engine"] for p in sweep] == ["transformers", "llamacpp", "transformers", "llamacpp", "transformers"]
+    assert all(p["llamacpp.batch_cap"] == 4 and p["llamacpp.quant"] != "F16"  # F16 at 4 is llama.cpp's default
+               for p in sweep if p["engine"] == "llamacpp")
+
+
+@pytest.mark.parametrize("knob, value, says", [("quant", "true", "only a numeric knob"),
+                                                ("batch_cap", "3", "expected true or false")])
+def test_increasing_on_a_knob_it_cannot_apply_to_is_one_line_naming_the_key(tmp_path, knob, value, says):
+    from tuner.errors import TunerError
+
+    text = GRID.replace(f"  {knob}: {{choices:", f"  {knob}: {{increasing: {value}, choices:")
+    with pytest.raises(TunerError) as e:
+        grid_space(tmp_path, text)
+    assert f"knobs.{knob}.increasing" in str(e.value) and says in str(e.value) and "\n" not in str(e.value)

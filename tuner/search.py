@@ -342,12 +342,24 @@ def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_tri
         for k, v in attrs.items():
             study.set_user_attr(k, v)
     if not study.get_trials(deepcopy=False):
-        study.enqueue_trial(dict(ctx.space.baseline), user_attrs={"baseline": True})
-        for other in ctx.space.engines[1:]:  # across engines: every engine's default is measured first
-            study.enqueue_trial({"engine": other.engine, **{f"{other.engine}.{k}": other.baseline[k]
-                                                             for k in other.knobs}},
-                                user_attrs={"engine_default": True})
+        enqueue_start(study, ctx.space, seed, n_trials)
     return study
+
+
+def enqueue_start(study: Any, space: Any, seed: int, n_trials: int) -> None:
+    """A new study's first trials: the engine default (the baseline), every other engine's default in a study
+    across engines, then the format sweep at the top of the increasing knobs (tuner.space.startup_sweep), which
+    takes at most half of the trials left."""
+    from tuner.space import startup_sweep
+
+    study.enqueue_trial(dict(space.baseline), user_attrs={"baseline": True})
+    for other in space.engines[1:]:  # across engines: every engine's default is measured first
+        study.enqueue_trial({"engine": other.engine, **{f"{other.engine}.{k}": other.baseline[k]
+                                                         for k in other.knobs}},
+                            user_attrs={"engine_default": True})
+    defaults = max(1, len(space.engines))
+    for params in startup_sweep(space, seed, (n_trials - defaults) // 2):
+        study.enqueue_trial(params, user_attrs={"startup": "format sweep"})
 
 
 def worker_tag() -> str:

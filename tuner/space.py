@@ -10,6 +10,7 @@ File format (every key optional except `knobs`):
       draft:       {choices: [none, "ngram:3"], when: {batch_cap: [1]}}   # else 'none'
       kv_fraction: {low: 0.005, high: 0.05, log: true, when: {draft: [none]}}  # else the baseline's (unused)
       kv_type:     {choices: [auto, q8_0]}            # llamacpp only (-ctk/-ctv)
+      batch_cap:   {choices: [1, 4, 16], increasing: true}   # capacity tends to grow with it: see startup_sweep
       threads, ubatch: llamacpp; batched_tokens, prefix_cache, chunked_prefill, reserved_cpus: vllm (config.ENGINE_KNOBS)
     engine: llamacpp                     # transformers (default) | llamacpp | vllm: who serves every trial
     baseline: {quant: fp32, batch_cap: 1, kv_fraction: 0.01, draft: none}
@@ -21,6 +22,7 @@ File format (every key optional except `knobs`):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,8 @@ class Knob:
     high: float | None = None
     log: bool = False
     when: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    increasing: bool = False  # capacity tends to grow with this knob (a batch cap): the start-up takes its top
+    top: Any = None  # the highest value the file lists (a baseline value added to the choices does not count)
 
     def describe(self) -> str:
         if self.choices is not None:
@@ -129,9 +133,16 @@ def _parse_knob(path: str, name: str, raw: Any, earlier: list[str], engine: str)
         raise _err(path, where, f"unknown knob: expected one of {', '.join(KNOBS)}")
     if not isinstance(raw, dict):
         raise _err(path, where, "expected a mapping with choices, or low/high")
-    unknown = set(raw) - {"choices", "low", "high", "log", "when"}
+    unknown = set(raw) - {"choices", "low", "high", "log", "when", "increasing"}
     if unknown:
-        raise _err(path, f"{where}.{sorted(unknown)[0]}", "unknown key: expected choices, low, high, log, when")
+        raise _err(path, f"{where}.{sorted(unknown)[0]}",
+                   "unknown key: expected choices, low, high, log, when, increasing")
+    increasing = raw.get("increasing", False)
+    if not isinstance(increasing, bool):
+        raise _err(path, f"{where}.increasing", f"{increasing!r} is invalid: expected true or false")
+    if increasing and (name in ("quant", "draft", "kv_type") or isinstance(DEFAULTS[name], str)):
+        raise _err(path, f"{where}.increasing", "only a numeric knob can be increasing: expected it on batch_cap, "
+                                                "kv_fraction or an integer engine knob")
     when: dict[str, tuple[Any, ...]] = {}
     for other, values in (raw.get("when") or {}).items():
         if other not in earlier:
@@ -148,7 +159,7 @@ def _parse_knob(path: str, name: str, raw: Any, earlier: list[str], engine: str)
         vals = tuple(_check_value(path, f"{where}.choices[{i}]", name, v, engine) for i, v in enumerate(choices))
         if len(set(vals)) != len(vals):
             raise _err(path, f"{where}.choices", "duplicate values")
-        return Knob(name, choices=vals, when=when)
+        return Knob(name, choices=vals, when=when, increasing=increasing, top=max(vals) if increasing else None)
     if name in ("quant", "draft", "kv_type") or isinstance(DEFAULTS[name], str):
         raise _err(path, where, "expected choices (a list)")
     if "low" not in raw or "high" not in raw:
@@ -157,7 +168,8 @@ def _parse_knob(path: str, name: str, raw: Any, earlier: list[str], engine: str)
     high = _check_value(path, f"{where}.high", name, raw["high"], engine)
     if low >= high:
         raise _err(path, where, f"low {low} must be below high {high}")
-    return Knob(name, low=float(low), high=float(high), log=bool(raw.get("log", False)), when=when)
+    return Knob(name, low=float(low), high=float(high), log=bool(raw.get("log", False)), when=when,
+                increasing=increasing, top=high if increasing else None)
 
 
 def load_space(path: str | Path) -> Space:
@@ -198,7 +210,7 @@ def load_space(path: str | Path) -> Space:
     for name, knob in knobs.items():  # the baseline must be a point of the space, so Optuna can enqueue it
         v = baseline[name]
         if knob.choices is not None and v not in knob.choices:
-            knobs[name] = Knob(name, choices=(v, *knob.choices), when=knob.when)
+            knobs[name] = dataclasses.replace(knob, choices=(v, *knob.choices))
         elif knob.choices is None and not knob.low <= v <= knob.high:
             raise _err(p, f"baseline.{name}", f"{v} is outside knobs.{name} range [{knob.low:g}, {knob.high:g}]")
     for section in ("workload", "quality", "capacity"):
@@ -231,7 +243,7 @@ def restrict_to_device(space: Space, device: str) -> tuple[Space, list[str]]:
             notes.append(f"{q} left out: {why}")
         else:
             keep.append(q)
-    knobs = dict(space.knobs, quant=Knob("quant", choices=tuple(keep), when=knob.when))
+    knobs = dict(space.knobs, quant=dataclasses.replace(knob, choices=tuple(keep)))
     return dataclasses.replace(space, knobs=knobs), notes
 
 
@@ -273,6 +285,31 @@ def _suggest(trial: Any, knob: Knob, prefix: str = "") -> Any:
     if isinstance(DEFAULTS[knob.name], int):  # batch cap and the integer engine knobs
         return trial.suggest_int(name, int(knob.low), int(knob.high), log=knob.log)
     return trial.suggest_float(name, knob.low, knob.high, log=knob.log)
+
+
+def startup_sweep(space: Space, seed: int, limit: int) -> list[dict[str, Any]]:
+    """The search's first configurations after the engine defaults: every format (`quant` choice) at the top of
+    each `increasing` knob (the largest batch cap), in a seeded random order, at most `limit` of them; the other
+    knobs are left to the sampler. On a continuous-batching engine capacity grows with the batch cap until memory or
+    a per-token bound stops it, so the format that serves most is found where formats differ most, and TPE then
+    refines around it; a space without an increasing knob (or a format knob) gets no sweep. Across engines the
+    engines take turns. Returns Optuna parameter dicts for `enqueue_trial`."""
+    import random
+
+    def one(sub: Space, prefix: str) -> list[dict[str, Any]]:
+        quant = sub.knobs.get("quant")
+        tops = {prefix + k.name: k.top for k in sub.knobs.values() if k.increasing and not k.when}
+        if quant is None or quant.choices is None or not tops:
+            return []
+        base = {prefix + k: v for k, v in sub.baseline.items()}
+        out = [{**({"engine": sub.engine} if prefix else {}), prefix + "quant": q, **tops} for q in quant.choices]
+        out = [p for p in out if any(base.get(k) != v for k, v in p.items() if k != "engine")]
+        random.Random(seed).shuffle(out)
+        return out
+
+    per_engine = [one(s, f"{s.engine}.") for s in space.engines] if space.engines else [one(space, "")]
+    turns = [p for group in itertools.zip_longest(*per_engine) for p in group if p is not None]
+    return turns[:max(0, limit)]
 
 
 def switched_off_value(space: Space, name: str) -> Any:
