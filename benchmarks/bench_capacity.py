@@ -41,8 +41,18 @@ def machine_gflops() -> float:
     return statistics.median(rates)
 
 
+def machine_bandwidth() -> float:
+    """This machine's memory bandwidth right now (GB/s, tuner.roofline's probe). Decoding a small model is bound by
+    it, and on this shared VM it moves by a third within a minute (other tenants' memory traffic) while the cached
+    matmul rate (machine_gflops) stays within a few percent: measured before and after each run."""
+    from tuner.roofline import measure_bandwidth_gbs
+
+    return measure_bandwidth_gbs(size_mb=256, repeats=9)
+
+
 def measure(cfg: tuple, args: argparse.Namespace) -> dict:
     gflops = machine_gflops()
+    bw_before = machine_bandwidth()
     quant, cap, kv, draft = cfg
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "cap.json"
@@ -56,14 +66,16 @@ def measure(cfg: tuple, args: argparse.Namespace) -> dict:
                                "--no-bandwidth", "--quiet", "--json", str(out), *shlex.split(args.bench_args)],
                               capture_output=True, text=True)
         wall = time.perf_counter() - t
+        bw = [bw_before, machine_bandwidth()]
         if proc.returncode != 0 or not out.is_file():
             return {"config": cfg, "error": (proc.stderr.strip().splitlines() or ["?"])[-1], "wall_s": wall,
-                    "gflops": gflops}
+                    "gflops": gflops, "bandwidth_gbs": bw}
         cap_ = json.loads(out.read_text())["metrics"]["capacity"]
     return {"config": cfg, "requests_per_s": cap_["requests_per_s"], "ci": cap_["requests_per_s_ci"],
             "verdict": cap_["verdict"], "output_tokens_per_s": cap_["output_tokens_per_s"],
             "saturation_rps": cap_["saturation"]["requests_per_s"], "probes": len(cap_["probes"]),
-            "requests": cap_["cost"]["requests"], "wall_s": wall, "notes": cap_["notes"], "gflops": gflops}
+            "requests": cap_["cost"]["requests"], "wall_s": wall, "notes": cap_["notes"], "gflops": gflops,
+            "bandwidth_gbs": bw}
 
 
 def show(r: dict) -> str:
@@ -74,7 +86,8 @@ def show(r: dict) -> str:
     lo, hi = r["ci"]
     return (f"  {name:<36} {r['requests_per_s']:.3f} req/s [{lo:.3f}, {hi:.3f}] {r['verdict']:<13} "
             f"sat {r['saturation_rps']:.3f}  {r['probes']} probes, {r['requests']} req, {r['wall_s']:.0f} s; "
-            f"machine {r['gflops']:.0f} GFLOP/s before")
+            f"machine {r['gflops']:.0f} GFLOP/s before, memory {r['bandwidth_gbs'][0]:.1f} -> "
+            f"{r['bandwidth_gbs'][1]:.1f} GB/s")
 
 
 def report_gain(runs: list[dict], base: dict) -> dict:
@@ -141,6 +154,13 @@ def main() -> int:
         out["repeatability_percent"] = spread
         print(f"(b) repeatability over {len(ok)} runs: median {med:.3f} req/s, deviations "
               + ", ".join(f"{s:+.1f}%" for s in spread) + " (goal within +-10%)")
+        # what is left once the machine's own drift is divided out: capacity per GB/s of memory bandwidth (the mean
+        # of the probes before and after each run) -- a diagnostic of where the spread comes from, not the goal
+        per = [r["requests_per_s"] / statistics.mean(r["bandwidth_gbs"]) for r in runs if "error" not in r]
+        med_per = statistics.median(per)
+        out["per_bandwidth_percent"] = [100 * (x - med_per) / med_per for x in per]
+        print("    per GB/s of memory bandwidth (machine drift divided out): deviations "
+              + ", ".join(f"{x:+.1f}%" for x in out["per_bandwidth_percent"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))

@@ -76,6 +76,9 @@ def main() -> int:
     method = cap.get("method") or {}
     probe, max_probes = method.get("probe_requests") or [30, 120], method.get("max_probes") or 5
     own = rec.get("in_trial_requests_per_s")
+    bw = (cap.get("machine") or {}).get("memory_bandwidth_gbs")
+    if bw and None not in bw:
+        print(f"    the search's figure was measured with the machine's memory at {bw[0]:.1f} -> {bw[1]:.1f} GB/s")
     print(f"(b) closed loop: export of trial {rec['trial']} re-measured {args.repeats}x with tuner bench --config "
           f"(search's figure {figure:.3f} req/s {rec['capacity_ci']}"
           + (f", re-measured after the search; {own:.3f} in its trial)" if rec.get("confirmed") else ")"))
@@ -91,7 +94,9 @@ def main() -> int:
             continue
         c = json.loads(out.read_text())["metrics"]["capacity"]
         again.append(c["requests_per_s"])
-        print(f"    run {i + 1}: {c['requests_per_s']:.3f} req/s {c['requests_per_s_ci']} {c['verdict']}  (machine {gflops:.0f} GFLOP/s before)", flush=True)
+        bw = (c.get("machine") or {}).get("memory_bandwidth_gbs") or [float("nan")] * 2
+        print(f"    run {i + 1}: {c['requests_per_s']:.3f} req/s {c['requests_per_s_ci']} {c['verdict']}  (machine "
+              f"{gflops:.0f} GFLOP/s before, memory {bw[0]:.1f} -> {bw[1]:.1f} GB/s)", flush=True)
     if again:
         med = statistics.median(again)
         dev = (med - figure) / figure * 100 if figure else float("nan")

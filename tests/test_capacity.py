@@ -122,3 +122,15 @@ def test_a_pool_shorter_than_the_budget_repeats_prompts_and_says_so():
         engine.stop(drain=False)
     assert len(sent) > 12 and len(set(sent[:12])) == 12  # each prompt once before any repeats
     assert sum("repeat prompts" in n for n in cap["notes"]) == 1
+
+
+def test_a_machine_that_moved_during_the_measurement_is_said():
+    from tuner.capacity import machine_drift
+
+    notes: list[str] = []
+    calm = machine_drift(40.0, 42.0, notes)
+    assert calm["drift"] == pytest.approx(0.05) and notes == []
+    slowed = machine_drift(45.0, 30.0, notes)
+    assert slowed["memory_bandwidth_gbs"] == [45.0, 30.0] and len(notes) == 1
+    assert "moved -33%" in notes[0] and "45.0 -> 30.0 GB/s" in notes[0]
+    assert machine_drift(None, None, notes)["drift"] is None and len(notes) == 1  # not measured (GPU): no note

@@ -105,3 +105,17 @@ def test_pruned_run_returns_only_finished_requests_and_decides_off_the_engine_th
     assert load.stopped_reason == "enough"
     assert 2 <= len(load.results) < 8 and all(r.ok for r in load.results)
     assert threads and all(t is threading.main_thread() for t in threads)
+
+
+def test_a_run_stopped_early_returns_with_the_engine_idle_so_the_next_run_is_not_slowed():
+    e = FakeEngine(servers=2, prefill_s=0.0, token_s=0.01)
+    e.start()
+    try:
+        load = run_load(e, reqs(8, arrivals=[0.0] * 8, max_tokens=20), progress=False,
+                        should_stop=lambda finished, total: "enough" if finished else None)
+        assert load.stopped_reason == "enough" and len(load.results) < 8
+        assert e.in_flight == 0  # the requests it had handed over have ended: nothing runs under the next run
+        nxt = run_load(e, reqs(2, arrivals=[0.0, 0.0], max_tokens=20), progress=False)
+        assert all(r.ttft_ms < 50 for r in nxt.results)  # served at once, not queued behind the stopped run's
+    finally:
+        e.stop(drain=False)

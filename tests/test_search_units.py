@@ -324,3 +324,14 @@ def test_a_pick_that_drops_when_re_measured_hands_over_to_the_next():
     rows = rows_from_study(study)
     assert next_to_confirm(rows) is None  # the first ranked (trial 2 at 1.8) is confirmed: nothing left to do
     assert "re-measured after the search; 2 req/s in its trial" in answer(rows, NAMES)["recommendation"]["statement"]
+
+
+def test_the_answer_says_when_the_machine_moved_under_the_pick_or_the_default():
+    from tuner.capacity import machine_drift
+
+    rows = [row(0, "fp32", 1, 0.5, (0.5, 0.6), 250.0, 0.0), row(1, "bf16", 8, 2.0, (2.0, 2.2), 290.0, 0.8)]
+    assert answer(rows, NAMES)["recommendation"]["machine_drift"] == {}  # not measured (or calm): nothing said
+    rows[0].capacity["machine"] = machine_drift(30.0, 31.0, [])  # calm under the default
+    rows[1].capacity["machine"] = machine_drift(45.0, 30.0, [])  # slowed by a third under the pick
+    drift = answer(rows, NAMES)["recommendation"]["machine_drift"]
+    assert list(drift) == [1] and drift[1] == pytest.approx(-1 / 3)

@@ -10,6 +10,7 @@ before anything is loaded.
 
 from __future__ import annotations
 
+import os
 import platform
 import threading
 import time
@@ -38,20 +39,49 @@ class BenchOptions:
 
 
 class PeakMemory:
-    """Samples the RSS of the process serving (the tuner's own, plus a server engine's process tree) and, on CUDA,
+    """Peak memory of the process serving (the tuner's own, plus a server engine's process tree) and, on CUDA,
     the device memory in use (total - free as the driver reports it, so memory held outside PyTorch's allocator
-    counts too) while a block runs."""
+    counts too) while a block runs.
 
-    def __init__(self, device: str, engine: Any = None, interval_s: float = 0.02) -> None:
+    RSS peaks come from the kernel's own high-water mark (`VmHWM` in /proc/PID/status, exact and free; for the
+    tuner's own process it counts the model's loading too, which a deployment needs as well) read at the end, plus a slow sampler (every 0.5 s) for what a high-water mark cannot see (a server process that exits
+    before the end; the device memory). A 20 ms psutil sampler was tried first: on 2 cores its wake-ups took the
+    GIL from the engine's generation thread and cost ~10% of the saturated throughput it was measuring."""
+
+    def __init__(self, device: str, engine: Any = None, interval_s: float = 0.5) -> None:
         self.device, self.engine, self.interval_s = device, engine, interval_s
         self.peak_rss = 0
         self.peak_device = 0
         self._stop = threading.Event()
 
-    def __enter__(self) -> PeakMemory:
+    def _pids(self) -> list[int]:
         import psutil
 
-        proc = psutil.Process()
+        pids = [os.getpid()]
+        for pid in self.engine.server_pids() if self.engine is not None else []:
+            try:
+                server = psutil.Process(pid)
+                pids += [server.pid, *(p.pid for p in server.children(recursive=True))]
+            except psutil.Error:  # the server exited
+                pass
+        return pids
+
+    def _rss(self, high_water: bool) -> int:
+        """Sum over the serving processes of their RSS now, or of their high-water marks (where /proc has them)."""
+        import psutil
+
+        total = 0
+        for pid in self._pids():
+            hwm = _vm_hwm(pid) if high_water else None
+            if hwm is None:
+                try:
+                    hwm = psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    continue
+            total += hwm
+        return total
+
+    def __enter__(self) -> PeakMemory:
         device_used: Callable[[], int] | None = None
         if self.device == "cuda":
             import torch
@@ -62,24 +92,13 @@ class PeakMemory:
                 free, total = torch.cuda.mem_get_info()
                 return total - free
 
-        def rss() -> int:
-            total = proc.memory_info().rss
-            for pid in self.engine.server_pids() if self.engine is not None else []:
-                try:
-                    server = psutil.Process(pid)
-                    total += sum(p.memory_info().rss for p in [server, *server.children(recursive=True)])
-                except psutil.Error:  # the server exited between two samples
-                    pass
-            return total
-
         def sample() -> None:
-            while not self._stop.is_set():
-                self.peak_rss = max(self.peak_rss, rss())
+            while not self._stop.wait(self.interval_s):
+                self.peak_rss = max(self.peak_rss, self._rss(high_water=False))
                 if device_used is not None:
                     self.peak_device = max(self.peak_device, device_used())
-                self._stop.wait(self.interval_s)
 
-        self.peak_rss = proc.memory_info().rss
+        self.peak_rss = self._rss(high_water=False)
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()
         return self
@@ -87,6 +106,7 @@ class PeakMemory:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
+        self.peak_rss = max(self.peak_rss, self._rss(high_water=True))
 
     def cuda_mb(self) -> float | None:
         """Peak device memory in use (driver view), at least the allocator's own peak."""
@@ -95,6 +115,28 @@ class PeakMemory:
         import torch
 
         return max(self.peak_device, torch.cuda.max_memory_allocated()) / 2**20
+
+
+def memory_bandwidth(device: str) -> float | None:
+    """The host's memory bandwidth now (GB/s), on CPU: decoding a small model is bound by it, and a shared host's
+    moves with its other tenants' traffic (by a third within a minute on the 2-core VM this was built on)."""
+    if device != "cpu":
+        return None
+    from tuner.roofline import measure_bandwidth_gbs
+
+    return measure_bandwidth_gbs(size_mb=256, repeats=9)
+
+
+def _vm_hwm(pid: int) -> int | None:
+    """The kernel's peak RSS of a process (bytes), None where /proc does not have it."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def versions() -> dict[str, str]:
@@ -110,8 +152,6 @@ def versions() -> dict[str, str]:
 
 
 def environment(device: str) -> dict[str, Any]:
-    import os
-
     import torch
 
     env: dict[str, Any] = {"device": device, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
@@ -234,10 +274,12 @@ def run_bench(
             engine.start()
             out["engine"]["info"] = engine.info()
             if options.capacity is not None:
-                from tuner.capacity import CapacitySearch
+                from tuner.capacity import CapacitySearch, machine_drift
 
+                before = memory_bandwidth(device)
                 capacity = CapacitySearch(serve, requests, config.batch_cap, options.capacity,
                                           log=progress_log()).search()
+                capacity["machine"] = machine_drift(before, memory_bandwidth(device), capacity["notes"])
                 load = None
             else:
                 out["warmup"] = warm_up(serve, warmup, config.batch_cap)

@@ -8,7 +8,9 @@ one engine that is already started:
    excluded from every statistic.
 2. **Saturation probe**: a closed loop keeping more than `batch_cap` requests in flight (so the engine never
    idles), whose steady-state completion rate bounds the sustainable rate from above (an open-loop arrival rate
-   above the service rate makes the queue grow without bound).
+   above the service rate makes the queue grow without bound). Steady state: after the first fill has completed
+   and before the loop stops sending (the drain, with fewer and fewer in flight, is left out); the probe sends
+   until that window holds max(in-flight, 32) completions over 10 s at least.
 3. **Bracketed rate search** between 0 and that bound: Poisson (or constant) open-loop probes, the arrival pattern
    scaled to the rate (common random numbers for the arrivals). Each probe gets a verdict against the SLO at the given
    confidence (tuner.stats): `meets` raises the lower end, `misses` lowers the upper end; `indeterminate` gets
@@ -27,7 +29,8 @@ one engine that is already started:
 
 Result (`metrics.capacity` of `tuner bench --capacity`, one trial's measure in `tuner search`):
 `{requests_per_s, requests_per_s_ci: [low, high], output_tokens_per_s, goodput_requests_per_s, verdict, slo,
-warmup, saturation, probes: [{rate_rps, n, ..., verdict}], cost: {requests, probes, wall_s}, notes}`.
+warmup, saturation, probes: [{rate_rps, n, ..., verdict}], cost: {requests, probes, wall_s}, notes}`, and from
+tuner.bench `machine: {memory_bandwidth_gbs: [before, after], drift}` (CPU).
 `requests_per_s` is the highest probed rate shown to meet the SLO (0 when none); the interval runs from it to the
 lowest rate above it not shown to meet (or the saturation rate): each end decided at the SLO's confidence.
 """
@@ -67,7 +70,8 @@ class CapacityOptions:
     ramp_fraction: float = 0.1
     arrival: str = "poisson"
     seed: int = 0
-    saturation_requests: int | None = None  # default max(3 x in-flight, 32)
+    saturation_requests: int | None = None  # most the saturation probe sends; default 2 x (in-flight + steady_count)
+    steady_s: float = 10.0  # the saturation probe's steady window lasts this long at least
 
     def __post_init__(self) -> None:
         from tuner.errors import TunerError
@@ -89,9 +93,15 @@ class CapacityOptions:
         return batch_cap + max(1, batch_cap // 4)
 
     def saturation_count(self, batch_cap: int) -> int:
-        # 32 at least: the steady-state rate is counted after the first fill, and a dozen completions left a
-        # +-15% spread between repeats of one configuration on small batch caps
-        return self.saturation_requests or max(3 * self.saturation_in_flight(batch_cap), 32)
+        """The most requests the saturation probe sends (it stops earlier once its steady window is measured)."""
+        c = self.saturation_in_flight(batch_cap)
+        return self.saturation_requests or 2 * c + 2 * self.steady_count(batch_cap)
+
+    @staticmethod
+    def steady_count(batch_cap: int) -> int:
+        # completions the steady window needs: 32 at least (a dozen left a +-15% spread between repeats of one
+        # configuration), one full turnover of the in-flight requests on wide batch caps
+        return max(CapacityOptions.saturation_in_flight(batch_cap), 32)
 
     def pool_size(self, batch_cap: int) -> int:
         """Prompts one capacity measurement may send, each once: warm-up, saturation, the rate probes' budget and
@@ -166,6 +176,11 @@ def certain_miss(slo: SLO, ramp: int) -> Callable[[list[RequestResult], int], st
 
 
 # ----------------------------------------------------------------------------------------- the search --- #
+def finish_s(r: RequestResult) -> float:
+    """When a request finished (seconds from the run's start)."""
+    return r.send_s + (r.e2e_ms or 0.0) / 1e3
+
+
 def probe_summary(rate: float | None, results: list[RequestResult], duration_s: float, slo: SLO,
                   ramp: int) -> dict[str, Any]:
     steady = [r for r in results if r.index >= ramp]
@@ -217,25 +232,43 @@ class CapacitySearch:
                 "errors": sorted({r.error or "" for r in failed})[:3], "duration_s": load.duration_s}
 
     def saturate(self) -> dict[str, Any]:
+        """Closed loop at `c` in flight. The service rate is counted in steady state only: from the c-th completion
+        (the initial fill has drained through) while the loop still keeps `c` in flight -- up to the moment it stops
+        sending; the drain after the last send (fewer and fewer in flight, its length set by whichever requests
+        came last) is left out. The probe stops sending once that window holds `steady_count` completions over at
+        least `steady_s` seconds (or at `saturation_count` requests)."""
         c = self.o.saturation_in_flight(self.cap)
         n = self.o.saturation_count(self.cap)
+        want, want_s = self.o.steady_count(self.cap), self.o.steady_s
+
+        def steady_enough(finished: list[RequestResult], total: int) -> str | None:
+            ends = sorted(finish_s(r) for r in finished)
+            if len(ends) - c >= want and ends[-1] - ends[c - 1] >= want_s:
+                return f"steady state measured: {len(ends) - c} completions over {ends[-1] - ends[c - 1]:.1f} s"
+            return None
+
         reqs = with_arrivals(self.take(n), None, self.o.arrival, self.o.seed)
-        load = self.run(reqs, concurrency=c, timeout_s=self.o.max_wall_s, should_stop=None)
-        self.requests_used += n
-        ok = sorted((r for r in load.results if r.ok), key=lambda r: r.send_s + (r.e2e_ms or 0) / 1e3)
-        ends = [r.send_s + (r.e2e_ms or 0) / 1e3 for r in ok]
-        # steady state: completions after the first `c` (the initial fill), over the time they took
-        if len(ends) > c + 1 and ends[-1] > ends[c - 1]:
-            rate = (len(ends) - c) / (ends[-1] - ends[c - 1])
-            tok = sum(r.output_tokens for r in ok[c:]) / (ends[-1] - ends[c - 1])
-        else:
+        load = self.run(reqs, concurrency=c, timeout_s=self.o.max_wall_s, should_stop=steady_enough)
+        ok = sorted((r for r in load.results if r.ok), key=finish_s)
+        ends = [finish_s(r) for r in ok]
+        # the loop stops sending at the early stop (every request finished then is in steady state), else at the
+        # last request's send: completions after it came from a draining engine
+        last_send = ends[-1] if load.stopped_reason else max(r.send_s for r in load.results)
+        window = [r for r in ok[c:] if finish_s(r) <= last_send]
+        if len(ok) > c and window and last_send > ends[c - 1]:
+            span = last_send - ends[c - 1]
+            rate, tok = len(window) / span, sum(r.output_tokens for r in window) / span
+            steady = {"completions": len(window), "seconds": span}
+        else:  # too few requests for a steady window (a tiny --saturation-requests): the whole run's rate
             m = compute_metrics(load.results, load.duration_s)
-            rate, tok = m["requests_per_s"], m["output_tokens_per_s"]
+            rate, tok, steady = m["requests_per_s"], m["output_tokens_per_s"], None
+        sent = len(load.results) + (c if load.stopped_reason else 0)  # a stopped run returns its finished only
+        self.requests_used += min(sent, n)
         m = compute_metrics(load.results, load.duration_s)
-        return {"concurrency": c, "n": n, "requests_per_s": rate, "output_tokens_per_s": tok,
-                "completed": m["completed"], "failed": m["failed"], "errors": m["errors"], "ttft_ms": m["ttft_ms"],
-                "tpot_ms": m["tpot_ms"], "e2e_ms": m["e2e_ms"], "itl_ms": m["itl_ms"],
-                "dispatch_lag_ms": m["dispatch_lag_ms"], "duration_s": load.duration_s}
+        return {"concurrency": c, "n": min(sent, n), "max_requests": n, "requests_per_s": rate,
+                "output_tokens_per_s": tok, "steady": steady, "completed": m["completed"], "failed": m["failed"],
+                "errors": m["errors"], "ttft_ms": m["ttft_ms"], "tpot_ms": m["tpot_ms"], "e2e_ms": m["e2e_ms"],
+                "itl_ms": m["itl_ms"], "dispatch_lag_ms": m["dispatch_lag_ms"], "duration_s": load.duration_s}
 
     def probe(self, rate: float) -> dict[str, Any]:
         """One rate: a first pass, then more requests (pooled) while undecided, up to the per-probe cap."""
@@ -356,6 +389,23 @@ class CapacitySearch:
                        "confidence": o.slo.confidence},
         })
         return out
+
+
+DRIFT_NOTE = 0.10  # a move of the machine's memory bandwidth during one measurement worth saying
+
+
+def machine_drift(before_gbs: float | None, after_gbs: float | None, notes: list[str]) -> dict[str, Any]:
+    """The host's memory bandwidth before and after a capacity measurement (CPU serving only), with a note when it
+    moved by more than 10%: a capacity measured while the machine itself sped up or slowed down differs from a
+    re-measure by about as much, whatever the configuration."""
+    out: dict[str, Any] = {"memory_bandwidth_gbs": [before_gbs, after_gbs], "drift": None}
+    if before_gbs and after_gbs:
+        out["drift"] = after_gbs / before_gbs - 1
+        if abs(out["drift"]) > DRIFT_NOTE:
+            notes.append(f"the machine's memory bandwidth moved {out['drift']:+.0%} during this measurement "
+                         f"({before_gbs:.1f} -> {after_gbs:.1f} GB/s: a shared host): a re-measure may differ by "
+                         "as much")
+    return out
 
 
 def capacity_point(capacity: dict[str, Any]) -> dict[str, Any] | None:

@@ -10,7 +10,8 @@ Threads: the engine calls each request's sink from its own thread(s); a sink onl
 per-request lock. Every decision (sending, early stop, time-out) is taken on the calling thread, never on the
 engine's token-delivery thread. When `run_load` returns, every result is frozen: a request still running then
 is recorded as failed (timed out / not finished), and whatever the engine delivers afterwards (while it is
-stopped) is ignored.
+stopped) is ignored. A run stopped early (`should_stop`) returns only once the requests it had handed over have
+ended in the engine (up to its deadline): otherwise they would still be running, unseen, under the next run.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class _Recorder:
         self.last = 0.0
         self.tokens: list[int] = []
         self.finished = threading.Event()
+        self.ended = threading.Event()  # the engine is done with it (also after the results were frozen)
         self.frozen = False
         self._lock = threading.Lock()
 
@@ -69,6 +71,7 @@ class _Recorder:
 
     def on_finish(self, error: str | None, draft_proposed: int = 0, draft_accepted: int = 0) -> None:
         now = time.perf_counter()
+        self.ended.set()
         with self._lock:
             if self.frozen or self.finished.is_set():
                 return
@@ -183,4 +186,8 @@ def run_load(
     token_ids = [list(rec.tokens) for rec in recorders]
     if reason:  # pruned runs only count what finished
         results = [r for r in results if r.index in finished_ids]
+        # the requests already handed to the engine still run there: wait for them (up to the run's deadline), so
+        # whatever runs next (the next probe) starts on an idle engine; their results stay as frozen above
+        for rec in sent:
+            rec.ended.wait(timeout=max(0.0, deadline - time.perf_counter()))
     return LoadResult(results, end - first, token_ids, reason)

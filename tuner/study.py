@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tuner.capacity import DRIFT_NOTE
 from tuner.config import ENGINE_KNOBS
 from tuner.errors import TunerError
 
@@ -196,6 +197,9 @@ def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, c
             rec["replicas"] = math.ceil(target_rate / lo) if lo > 0 else None
         rec["indistinguishable_from"] = [r.number for r in feasible[1:] if r.rps_ci[1] >= best.rps_ci[0]
                                          and r.rps_ci[0] <= best.rps_ci[1] and r.rps_ci[1] > best.rps]
+        rec["machine_drift"] = {r.number: d for r in (best, base) if r is not None
+                                for d in [((r.capacity or {}).get("machine") or {}).get("drift")]
+                                if d is not None and abs(d) > DRIFT_NOTE}
         rec["statement"] = statement(best, base, gain)
         out["recommendation"] = rec
         out["runners_up"] = [dict(summary(r), vs_best=tradeoff(r, best)) for r in feasible[1:4]]

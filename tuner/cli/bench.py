@@ -219,8 +219,11 @@ def format_capacity(c: dict[str, Any]) -> list[str]:
         head += f" = {c['output_tokens_per_s']:.1f} output tok/s"
     head += f", verdict {c['verdict'].upper()} at {slo['confidence']:.0%} confidence for SLO {'; '.join(terms)}"
     sat = c["saturation"]
+    steady = sat.get("steady")
     lines = [head, f"  saturation (closed loop, {sat['concurrency']} in flight, n={sat['n']}): "
-                   f"{sat['requests_per_s']:.3f} req/s, {sat['output_tokens_per_s']:.1f} output tok/s"]
+                   f"{sat['requests_per_s']:.3f} req/s, {sat['output_tokens_per_s']:.1f} output tok/s"
+                   + (f" (steady state: {steady['completions']} completions over {steady['seconds']:.1f} s)"
+                      if steady else "")]
     lines.append(f"  {'rate req/s':>11}{'n':>5}{'achieved':>10}{'ttft p50':>10}{'ttft p99':>10}{'tpot p50':>10}"
                  f"{'attain':>8}  verdict")
     for p in c["probes"]:
@@ -232,6 +235,9 @@ def format_capacity(c: dict[str, Any]) -> list[str]:
     cost = c["cost"]
     lines.append(f"  cost: {cost['probes']} probes + warm-up + saturation, {cost['requests']} requests, "
                  f"{cost['wall_s']:.0f} s")
+    bw = (c.get("machine") or {}).get("memory_bandwidth_gbs") or [None, None]
+    if None not in bw:
+        lines.append(f"  machine: memory bandwidth {bw[0]:.1f} GB/s before, {bw[1]:.1f} after")
     lines.extend(f"  note: {n}" for n in c.get("notes", []))
     return lines
 

@@ -346,6 +346,9 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
 
             lines.append(f"  launch (exactly what was measured): {shlex.join(rec['launch'])}")
         lines.append(f"  binding constraint: {rec['binding_constraint']}")
+        for number, drift in (rec.get("machine_drift") or {}).items():
+            lines.append(f"  machine: the host's memory bandwidth moved {drift:+.0%} while trial {number} was measured "
+                         "(a shared host): its figure, and the gain, can be off by about as much")
         if rec.get("indistinguishable_from"):
             lines.append(f"  not distinguishable from trial(s) {', '.join(map(str, rec['indistinguishable_from']))}"
                          " (capacity intervals overlap): measure longer to separate them")
