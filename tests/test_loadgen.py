@@ -107,15 +107,19 @@ def test_pruned_run_returns_only_finished_requests_and_decides_off_the_engine_th
     assert threads and all(t is threading.main_thread() for t in threads)
 
 
-def test_a_run_stopped_early_returns_with_the_engine_idle_so_the_next_run_is_not_slowed():
+def test_a_settling_run_stopped_early_returns_with_the_engine_idle_so_the_next_run_is_not_slowed():
     e = FakeEngine(servers=2, prefill_s=0.0, token_s=0.01)
     e.start()
     try:
-        load = run_load(e, reqs(8, arrivals=[0.0] * 8, max_tokens=20), progress=False,
+        load = run_load(e, reqs(8, arrivals=[0.0] * 8, max_tokens=20), progress=False, settle=True,
                         should_stop=lambda finished, total: "enough" if finished else None)
-        assert load.stopped_reason == "enough" and len(load.results) < 8
+        assert load.stopped_reason == "enough" and len(load.results) < 8 and load.sent == 8
         assert e.in_flight == 0  # the requests it had handed over have ended: nothing runs under the next run
         nxt = run_load(e, reqs(2, arrivals=[0.0, 0.0], max_tokens=20), progress=False)
         assert all(r.ttft_ms < 50 for r in nxt.results)  # served at once, not queued behind the stopped run's
+        # without settle (`tuner bench --stop-if`, which abandons what is in flight) it returns at the stop
+        load = run_load(e, reqs(8, arrivals=[0.0] * 8, max_tokens=20), progress=False,
+                        should_stop=lambda finished, total: "enough" if finished else None)
+        assert load.stopped_reason == "enough" and e.in_flight > 0
     finally:
         e.stop(drain=False)

@@ -43,10 +43,11 @@ class PeakMemory:
     the device memory in use (total - free as the driver reports it, so memory held outside PyTorch's allocator
     counts too) while a block runs.
 
-    RSS peaks come from the kernel's own high-water mark (`VmHWM` in /proc/PID/status, exact and free; for the
-    tuner's own process it counts the model's loading too, which a deployment needs as well) read at the end, plus a slow sampler (every 0.5 s) for what a high-water mark cannot see (a server process that exits
-    before the end; the device memory). A 20 ms psutil sampler was tried first: on 2 cores its wake-ups took the
-    GIL from the engine's generation thread and cost ~10% of the saturated throughput it was measuring."""
+    RSS peaks come from the kernel's own high-water marks (`VmHWM` in /proc/PID/status: exact, and free to read),
+    the tuner's own reset when the block starts (`clear_refs`), read every 0.5 s (a server is stopped before the
+    block ends) and at the end; the sum over the processes is an upper bound (pages they share count in each).
+    Where /proc has no high-water mark, the RSS is sampled. A 20 ms psutil sampler was used first: on 2 cores its
+    wake-ups took the GIL from the engine's generation thread and cost ~10% of the throughput it was watching."""
 
     def __init__(self, device: str, engine: Any = None, interval_s: float = 0.5) -> None:
         self.device, self.engine, self.interval_s = device, engine, interval_s
@@ -66,19 +67,19 @@ class PeakMemory:
                 pass
         return pids
 
-    def _rss(self, high_water: bool) -> int:
-        """Sum over the serving processes of their RSS now, or of their high-water marks (where /proc has them)."""
+    def _rss(self) -> int:
+        """Sum over the serving processes of their high-water marks (their RSS now where /proc has none)."""
         import psutil
 
         total = 0
         for pid in self._pids():
-            hwm = _vm_hwm(pid) if high_water else None
-            if hwm is None:
+            peak = _vm_hwm(pid)
+            if peak is None:
                 try:
-                    hwm = psutil.Process(pid).memory_info().rss
+                    peak = psutil.Process(pid).memory_info().rss
                 except psutil.Error:
                     continue
-            total += hwm
+            total += peak
         return total
 
     def __enter__(self) -> PeakMemory:
@@ -94,11 +95,12 @@ class PeakMemory:
 
         def sample() -> None:
             while not self._stop.wait(self.interval_s):
-                self.peak_rss = max(self.peak_rss, self._rss(high_water=False))
+                self.peak_rss = max(self.peak_rss, self._rss())
                 if device_used is not None:
                     self.peak_device = max(self.peak_device, device_used())
 
-        self.peak_rss = self._rss(high_water=False)
+        _reset_hwm(os.getpid())  # what loading the model took before the block is not the block's
+        self.peak_rss = self._rss()
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()
         return self
@@ -106,7 +108,7 @@ class PeakMemory:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak_rss = max(self.peak_rss, self._rss(high_water=True))
+        self.peak_rss = max(self.peak_rss, self._rss())
 
     def cuda_mb(self) -> float | None:
         """Peak device memory in use (driver view), at least the allocator's own peak."""
@@ -117,14 +119,36 @@ class PeakMemory:
         return max(self.peak_device, torch.cuda.max_memory_allocated()) / 2**20
 
 
-def memory_bandwidth(device: str) -> float | None:
-    """The host's memory bandwidth now (GB/s), on CPU: decoding a small model is bound by it, and a shared host's
+def memory_bandwidth() -> float:
+    """The host's memory bandwidth now (GB/s): decoding a small model on CPU is bound by it, and a shared host's
     moves with its other tenants' traffic (by a third within a minute on the 2-core VM this was built on)."""
-    if device != "cpu":
-        return None
     from tuner.roofline import measure_bandwidth_gbs
 
     return measure_bandwidth_gbs(size_mb=256, repeats=9)
+
+
+def serves_on_host_cpu(config: TrialConfig, device: str) -> bool:
+    """Whether this host's CPU does the serving (so its memory bandwidth bounds the capacity): not a remote endpoint,
+    not a CUDA vLLM build, not an in-process engine on a GPU."""
+    if config.engine == "endpoint":
+        return False
+    if config.engine == "vllm":
+        from tuner.engines.vllm import cpu_build, python
+
+        try:
+            return cpu_build(python())
+        except TunerError:  # no vLLM venv: the engine itself says so
+            return False
+    return device == "cpu"
+
+
+def _reset_hwm(pid: int) -> None:
+    """Reset a process's high-water mark to its RSS now (Linux `clear_refs` 5); nothing where that is refused."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _vm_hwm(pid: int) -> int | None:
@@ -266,7 +290,11 @@ def run_bench(
                      "versions": out["environment"]["versions"], "device": device}
 
     def serve(reqs: list[Any], concurrency: int | None, timeout_s: float, should_stop: Any = None) -> Any:
-        return run_load(engine, reqs, concurrency, timeout_s, should_stop, options.progress)
+        return run_load(engine, reqs, concurrency, timeout_s, should_stop, options.progress,
+                        settle=options.capacity is not None)  # a probe stopped early must not slow the next
+
+    host = options.capacity is not None and serves_on_host_cpu(config, device)
+    bandwidth_before = memory_bandwidth() if host else None  # outside PeakMemory: its 256 MB are not the engine's
 
     with PeakMemory(device, engine) as mem:
         load_done = False
@@ -274,12 +302,10 @@ def run_bench(
             engine.start()
             out["engine"]["info"] = engine.info()
             if options.capacity is not None:
-                from tuner.capacity import CapacitySearch, machine_drift
+                from tuner.capacity import CapacitySearch
 
-                before = memory_bandwidth(device)
                 capacity = CapacitySearch(serve, requests, config.batch_cap, options.capacity,
                                           log=progress_log()).search()
-                capacity["machine"] = machine_drift(before, memory_bandwidth(device), capacity["notes"])
                 load = None
             else:
                 out["warmup"] = warm_up(serve, warmup, config.batch_cap)
@@ -295,6 +321,10 @@ def run_bench(
         finally:
             # drain only a run that ended normally; an error or Ctrl-C abandons what is in flight
             engine.stop(drain=load_done and not (load is not None and load.stopped_reason))
+    if load is None:
+        from tuner.capacity import machine_drift
+
+        capacity["machine"] = machine_drift(bandwidth_before, memory_bandwidth() if host else None, capacity["notes"])
     if load is None and config.draft != "none":
         try:
             capacity["draft_effect"] = draft_effect(model, tokenizer, config, options, requests, capacity)
@@ -359,7 +389,7 @@ def draft_effect(model: Any, tokenizer: Any, config: TrialConfig, options: Bench
     ref.start()
     try:
         search = CapacitySearch(lambda reqs, concurrency, timeout_s, should_stop=None:
-                                run_load(ref, reqs, concurrency, timeout_s, should_stop, False),
+                                run_load(ref, reqs, concurrency, timeout_s, should_stop, False, settle=True),
                                 requests, config.batch_cap, options.capacity)
         search.warm_up()
         sat = search.saturate()

@@ -242,7 +242,7 @@ class CapacitySearch:
         want, want_s = self.o.steady_count(self.cap), self.o.steady_s
 
         def steady_enough(finished: list[RequestResult], total: int) -> str | None:
-            ends = sorted(finish_s(r) for r in finished)
+            ends = sorted(finish_s(r) for r in finished if r.ok)
             if len(ends) - c >= want and ends[-1] - ends[c - 1] >= want_s:
                 return f"steady state measured: {len(ends) - c} completions over {ends[-1] - ends[c - 1]:.1f} s"
             return None
@@ -251,9 +251,11 @@ class CapacitySearch:
         load = self.run(reqs, concurrency=c, timeout_s=self.o.max_wall_s, should_stop=steady_enough)
         ok = sorted((r for r in load.results if r.ok), key=finish_s)
         ends = [finish_s(r) for r in ok]
-        # the loop stops sending at the early stop (every request finished then is in steady state), else at the
-        # last request's send: completions after it came from a draining engine
-        last_send = ends[-1] if load.stopped_reason else max(r.send_s for r in load.results)
+        # the loop keeps `c` in flight until its last send (or the early stop, if that came first): completions
+        # after it came from a draining engine
+        last_send = load.last_send_s if load.last_send_s is not None else 0.0
+        if load.stopped_reason and ends:
+            last_send = min(last_send, ends[-1])
         window = [r for r in ok[c:] if finish_s(r) <= last_send]
         if len(ok) > c and window and last_send > ends[c - 1]:
             span = last_send - ends[c - 1]
@@ -262,10 +264,10 @@ class CapacitySearch:
         else:  # too few requests for a steady window (a tiny --saturation-requests): the whole run's rate
             m = compute_metrics(load.results, load.duration_s)
             rate, tok, steady = m["requests_per_s"], m["output_tokens_per_s"], None
-        sent = len(load.results) + (c if load.stopped_reason else 0)  # a stopped run returns its finished only
-        self.requests_used += min(sent, n)
+        self.requests_used += load.sent
+        self.cursor -= n - load.sent  # prompts never sent stay fresh for the probes
         m = compute_metrics(load.results, load.duration_s)
-        return {"concurrency": c, "n": min(sent, n), "max_requests": n, "requests_per_s": rate,
+        return {"concurrency": c, "n": load.sent, "max_requests": n, "requests_per_s": rate,
                 "output_tokens_per_s": tok, "steady": steady, "completed": m["completed"], "failed": m["failed"],
                 "errors": m["errors"], "ttft_ms": m["ttft_ms"], "tpot_ms": m["tpot_ms"], "e2e_ms": m["e2e_ms"],
                 "itl_ms": m["itl_ms"], "dispatch_lag_ms": m["dispatch_lag_ms"], "duration_s": load.duration_s}

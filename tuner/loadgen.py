@@ -10,8 +10,9 @@ Threads: the engine calls each request's sink from its own thread(s); a sink onl
 per-request lock. Every decision (sending, early stop, time-out) is taken on the calling thread, never on the
 engine's token-delivery thread. When `run_load` returns, every result is frozen: a request still running then
 is recorded as failed (timed out / not finished), and whatever the engine delivers afterwards (while it is
-stopped) is ignored. A run stopped early (`should_stop`) returns only once the requests it had handed over have
-ended in the engine (up to its deadline): otherwise they would still be running, unseen, under the next run.
+stopped) is ignored. A run stopped early (`should_stop`) with `settle` returns only once the requests it had handed
+over have ended in the engine (up to its deadline): otherwise they would still be running, unseen, under the next
+run.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ class LoadResult:
     duration_s: float  # first scheduled send to last completion
     token_ids: list[list[int]]  # generated ids per request (in request order), for output checks
     stopped_reason: str | None = None  # early stop (pruned) reason
+    sent: int = 0  # requests handed to the engine (a stopped run's results hold only those that finished)
+    last_send_s: float | None = None  # when the last of them was scheduled, from the run's start
 
 
 def run_load(
@@ -113,9 +116,12 @@ def run_load(
     timeout_s: float = 3600.0,
     should_stop: Callable[[list[RequestResult], int], str | None] | None = None,
     progress: bool = True,
+    settle: bool = False,
 ) -> LoadResult:
     """Drive `requests` through a started engine. `should_stop(finished_results, total)` may end the run early; it
-    is called on this thread after new requests finish. A pruned run returns only the requests that finished."""
+    is called on this thread after new requests finish. A pruned run returns only the requests that finished;
+    with `settle` it returns once the requests it had handed over have ended in the engine (up to the deadline), so
+    the next run starts on an idle engine (the capacity search's probes; `tuner bench --stop-if` abandons them)."""
     from tqdm import tqdm
 
     wake = threading.Event()
@@ -188,6 +194,7 @@ def run_load(
         results = [r for r in results if r.index in finished_ids]
         # the requests already handed to the engine still run there: wait for them (up to the run's deadline), so
         # whatever runs next (the next probe) starts on an idle engine; their results stay as frozen above
-        for rec in sent:
+        for rec in sent if settle else []:
             rec.ended.wait(timeout=max(0.0, deadline - time.perf_counter()))
-    return LoadResult(results, end - first, token_ids, reason)
+    last = max((rec.scheduled for rec in sent), default=None)
+    return LoadResult(results, end - first, token_ids, reason, len(sent), None if last is None else last - t0)

@@ -62,7 +62,8 @@ def add_capacity_args(p: argparse.ArgumentParser, with_switch: bool = True) -> N
     g.add_argument("--capacity-timeout", metavar="DURATION",
                    help="no new probe starts after this long (default 10m)")
     g.add_argument("--saturation-requests", type=int, metavar="N",
-                   help="requests in the saturation probe (default max(3 x in-flight, 16))")
+                   help="most requests the saturation probe sends; it stops once its steady window holds "
+                        "max(in-flight, 32) completions over 10 s (default 2 x (in-flight + that))")
 
 
 def recorded_slo(path: str | None) -> Any:
