@@ -66,12 +66,12 @@ def test_per_request_targets_and_attainment():
         parse_slo_terms("itl<30ms")
 
 
-@pytest.mark.parametrize("text,s", [("20m", 1200), ("90s", 90), ("1.5h", 5400)])
+@pytest.mark.parametrize("text,s", [("20m", 1200), ("90s", 90), ("1.5h", 5400), ("7m30s", 450), ("1h30m", 5400)])
 def test_duration(text, s):
     assert parse_duration_s(text) == s
 
 
-@pytest.mark.parametrize("text", ["20", "20min", "-1m", "0s"])
+@pytest.mark.parametrize("text", ["20", "20min", "-1m", "0s", "7m30", "m30s", "0m0s"])
 def test_bad_duration(text):
     with pytest.raises(TunerError, match="--timeout"):
         parse_duration_s(text)

@@ -20,7 +20,7 @@ from tuner.errors import TunerError
 METRICS = ("ttft", "tpot", "itl", "e2e")
 STATS = ("p50", "p90", "p95", "p99", "mean")
 _TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s)\s*$")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)\s*$")
+_DURATION = re.compile(r"\s*((?:\d+(?:\.\d+)?[hms])+)\s*")  # 20m, 90s, 1.5h, 7m30s, 1h30m
 _BOUND = re.compile(r"^\s*([a-z0-9]+)\s*:\s*([a-z0-9]+)\s*<\s*(.+?)\s*$")
 _TARGET = re.compile(r"^\s*([a-z0-9]+)\s*<\s*(.+?)\s*$")
 REQUEST_METRICS = ("ttft", "tpot", "e2e")
@@ -185,8 +185,11 @@ def build_slo(latency_target: str | None, latency_metric: str, slo: str | None, 
 
 
 def parse_duration_s(text: str, what: str = "--timeout") -> float:
-    """'20m' -> 1200.0; units s, m, h."""
-    m = _DURATION.match(str(text))
-    if not m or float(m.group(1)) <= 0:
-        raise TunerError(f"{what} {text!r} is invalid: expected a duration > 0 with a unit s, m or h (e.g. 20m)")
-    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
+    """'20m' -> 1200.0, '7m30s' -> 450.0; units s, m, h."""
+    m = _DURATION.fullmatch(str(text))
+    total = sum(float(v) * {"s": 1, "m": 60, "h": 3600}[u]
+                for v, u in re.findall(r"(\d+(?:\.\d+)?)([hms])", m.group(1))) if m else 0.0
+    if total <= 0:
+        raise TunerError(f"{what} {text!r} is invalid: expected a duration > 0 with units s, m or h (e.g. 20m, "
+                         "7m30s)")
+    return total
