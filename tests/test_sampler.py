@@ -100,11 +100,11 @@ def test_a_new_study_measures_the_default_then_every_format_at_the_top_batch_cap
         assert order[0] == ("fp32", 1)  # the engine default first
         assert sorted(order[1:5]) == sorted((q, 16) for q in SPEED)  # each format once, at the top cap
     assert orders[0][1:5] != orders[1][1:5]  # in the seed's order
-    # a small budget: the sweep takes at most half of the trials after the default
-    study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(0, 6, space))
-    enqueue_start(study, space, 0, 6)
-    waiting = [t.params for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))]
-    assert len(waiting) == 1 + (6 - 1) // 2
+    # a small budget: the 4-format sweep does not fit in half of the 8 trials after the default: no sweep at all
+    for budget, waiting in ((9, 1 + 4), (8, 1)):
+        study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(0, budget, space))
+        enqueue_start(study, space, 0, budget)
+        assert len(study.get_trials(states=(optuna.trial.TrialState.WAITING,))) == waiting
 
 
 def test_the_sweep_uses_the_listed_top_not_a_baseline_beyond_it_and_takes_turns_across_engines(tmp_path):

@@ -348,8 +348,9 @@ def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_tri
 
 def enqueue_start(study: Any, space: Any, seed: int, n_trials: int) -> None:
     """A new study's first trials: the engine default (the baseline), every other engine's default in a study
-    across engines, then the format sweep at the top of the increasing knobs (tuner.space.startup_sweep), which
-    takes at most half of the trials left."""
+    across engines, then the format sweep at the top of the increasing knobs (tuner.space.startup_sweep) when the
+    whole sweep fits in half of the trials left (a short search, like `make demo`'s 8 trials on 6 formats, has none:
+    a format that serves slowly at the top batch cap takes a whole capacity budget)."""
     from tuner.space import startup_sweep
 
     study.enqueue_trial(dict(space.baseline), user_attrs={"baseline": True})
@@ -358,8 +359,10 @@ def enqueue_start(study: Any, space: Any, seed: int, n_trials: int) -> None:
                                                          for k in other.knobs}},
                             user_attrs={"engine_default": True})
     defaults = max(1, len(space.engines))
-    for params in startup_sweep(space, seed, (n_trials - defaults) // 2):
-        study.enqueue_trial(params, user_attrs={"startup": "format sweep"})
+    sweep = startup_sweep(space, seed, n_trials)
+    if len(sweep) <= (n_trials - defaults) // 2:  # a sweep cut short is a random start-up that costs more
+        for params in sweep:
+            study.enqueue_trial(params, user_attrs={"startup": "format sweep"})
 
 
 def worker_tag() -> str:
