@@ -41,18 +41,11 @@ def machine_gflops() -> float:
     return statistics.median(rates)
 
 
-def machine_bandwidth() -> float:
-    """This machine's memory bandwidth right now (GB/s, tuner.roofline's probe). Decoding a small model is bound by
-    it, and on this shared VM it moves by a third within a minute (other tenants' memory traffic) while the cached
-    matmul rate (machine_gflops) stays within a few percent: measured before and after each run."""
-    from tuner.roofline import measure_bandwidth_gbs
-
-    return measure_bandwidth_gbs(size_mb=256, repeats=9)
-
-
 def measure(cfg: tuple, args: argparse.Namespace) -> dict:
     gflops = machine_gflops()
-    bw_before = machine_bandwidth()
+    from tuner.bench import memory_bandwidth  # the probe tuner bench runs around each CPU measurement
+
+    bw_before = memory_bandwidth()
     quant, cap, kv, draft = cfg
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "cap.json"
@@ -66,7 +59,7 @@ def measure(cfg: tuple, args: argparse.Namespace) -> dict:
                                "--no-bandwidth", "--quiet", "--json", str(out), *shlex.split(args.bench_args)],
                               capture_output=True, text=True)
         wall = time.perf_counter() - t
-        bw = [bw_before, machine_bandwidth()]
+        bw = [bw_before, memory_bandwidth()]
         if proc.returncode != 0 or not out.is_file():
             return {"config": cfg, "error": (proc.stderr.strip().splitlines() or ["?"])[-1], "wall_s": wall,
                     "gflops": gflops, "bandwidth_gbs": bw}

@@ -257,16 +257,15 @@ class CapacitySearch:
         if load.stopped_reason and ends:
             last_send = min(last_send, ends[-1])
         window = [r for r in ok[c:] if finish_s(r) <= last_send]
+        m = compute_metrics(load.results, load.duration_s)
         if len(ok) > c and window and last_send > ends[c - 1]:
             span = last_send - ends[c - 1]
             rate, tok = len(window) / span, sum(r.output_tokens for r in window) / span
             steady = {"completions": len(window), "seconds": span}
         else:  # too few requests for a steady window (a tiny --saturation-requests): the whole run's rate
-            m = compute_metrics(load.results, load.duration_s)
             rate, tok, steady = m["requests_per_s"], m["output_tokens_per_s"], None
         self.requests_used += load.sent
         self.cursor -= n - load.sent  # prompts never sent stay fresh for the probes
-        m = compute_metrics(load.results, load.duration_s)
         return {"concurrency": c, "n": load.sent, "max_requests": n, "requests_per_s": rate,
                 "output_tokens_per_s": tok, "steady": steady, "completed": m["completed"], "failed": m["failed"],
                 "errors": m["errors"], "ttft_ms": m["ttft_ms"], "tpot_ms": m["tpot_ms"], "e2e_ms": m["e2e_ms"],
