@@ -8,6 +8,7 @@ measurement in a fresh process, interleaved so slow drifts of the shared machine
 Usage: .venv/bin/python benchmarks/bench_capacity.py [--slo "ttft:p90<2s"] [--repeat 3] [--json out.json]
        [--engine llamacpp|vllm --skip-default --config Q8_0,8,0.002,none]
        [--config quant,cap,kv,draft] [--input-len 64:192] [--output-len 24:48] [--probe-requests 30:60]
+       [--neighbour-after S]  (a neighbour process arriving S s into each run: does the engine canary flag it?)
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ def measure(cfg: tuple, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "cap.json"
         t = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "tuner", "bench", "--engine", args.engine, "--model", MODEL,
-                               "--quant", quant, "--batch-cap", str(cap), "--kv-fraction", str(kv), "--draft", draft,
-                               "--capacity",
-                               "--slo", args.slo, "--input-len", args.input_len, "--output-len", args.output_len,
-                               "--probe-requests", args.probe_requests, "--max-probes", str(args.max_probes),
-                               "--capacity-timeout", args.capacity_timeout, "--seed", str(args.seed),
-                               "--no-bandwidth", "--quiet", "--json", str(out), *shlex.split(args.bench_args)],
-                              capture_output=True, text=True)
+        argv = [sys.executable, "-m", "tuner", "bench", "--engine", args.engine, "--model", MODEL,
+                "--quant", quant, "--batch-cap", str(cap), "--kv-fraction", str(kv), "--draft", draft, "--capacity",
+                "--slo", args.slo, "--input-len", args.input_len, "--output-len", args.output_len,
+                "--probe-requests", args.probe_requests, "--max-probes", str(args.max_probes),
+                "--capacity-timeout", args.capacity_timeout, "--seed", str(args.seed),
+                "--no-bandwidth", "--quiet", "--json", str(out), *shlex.split(args.bench_args)]
+        proc = with_neighbour(args.neighbour_after, argv) if args.neighbour_after else \
+            subprocess.run(argv, capture_output=True, text=True)
         wall = time.perf_counter() - t
         bw = [bw_before, memory_bandwidth()]
         if proc.returncode != 0 or not out.is_file():
@@ -68,7 +69,28 @@ def measure(cfg: tuple, args: argparse.Namespace) -> dict:
             "verdict": cap_["verdict"], "output_tokens_per_s": cap_["output_tokens_per_s"],
             "saturation_rps": cap_["saturation"]["requests_per_s"], "probes": len(cap_["probes"]),
             "requests": cap_["cost"]["requests"], "wall_s": wall, "notes": cap_["notes"], "gflops": gflops,
-            "bandwidth_gbs": bw}
+            "bandwidth_gbs": bw, "canary": cap_.get("canary") or {}}
+
+
+NEIGHBOUR = "import numpy as np\na = np.ones(2**25)\nb = np.empty_like(a)\nwhile True:\n    np.copyto(b, a)\n"
+
+
+def with_neighbour(after_s: float, argv: list[str]) -> subprocess.CompletedProcess:
+    """Run `argv` while, from `after_s` seconds on, another process copies 256 MB arrays in a loop on one core (a
+    neighbour arriving on the host mid-measurement: memory bandwidth and a core taken)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hog = None
+    try:
+        try:
+            out, err = proc.communicate(timeout=after_s)
+        except subprocess.TimeoutExpired:
+            hog = subprocess.Popen([sys.executable, "-c", NEIGHBOUR])
+            out, err = proc.communicate()
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def show(r: dict) -> str:
@@ -80,7 +102,21 @@ def show(r: dict) -> str:
     return (f"  {name:<36} {r['requests_per_s']:.3f} req/s [{lo:.3f}, {hi:.3f}] {r['verdict']:<13} "
             f"sat {r['saturation_rps']:.3f}  {r['probes']} probes, {r['requests']} req, {r['wall_s']:.0f} s; "
             f"machine {r['gflops']:.0f} GFLOP/s before, memory {r['bandwidth_gbs'][0]:.1f} -> "
-            f"{r['bandwidth_gbs'][1]:.1f} GB/s")
+            f"{r['bandwidth_gbs'][1]:.1f} GB/s; {canary(r)}")
+
+
+def canary(r: dict) -> str:
+    c = r.get("canary") or {}
+    b, a = c.get("tpot_ms") or [None, None]
+    if not b or not a:
+        return "canary -"
+    return f"canary TPOT {b:.1f} -> {a:.1f} ms ({c['drift']:+.0%})"
+
+
+def steady(r: dict) -> bool:
+    """The run's engine canary held within 10% (tuner.capacity.DRIFT_NOTE): no note of a moved engine."""
+    d = (r.get("canary") or {}).get("drift")
+    return d is not None and abs(d) <= 0.10
 
 
 def report_gain(runs: list[dict], base: dict) -> dict:
@@ -119,6 +155,9 @@ def main() -> int:
                    help="who serves --config (the gain (a) compares with transformers' default only)")
     p.add_argument("--bench-args", default="", help="more `tuner bench` flags for --config, e.g. the engine's own "
                    "knobs: '--reserved-cpus 0 --chunked-prefill off'")
+    p.add_argument("--neighbour-after", type=float, default=0.0, metavar="S",
+                   help="from S s into each run of --config, a neighbour process copies 256 MB arrays on one core "
+                        "until the run ends (does the canary see it?); 0: none")
     p.add_argument("--json")
     args = p.parse_args()
     if args.engine != "transformers" and not args.skip_default:
@@ -128,7 +167,9 @@ def main() -> int:
     q, cap, kv, draft = args.config.split(",")
     chosen = (q, int(cap), float(kv), draft)
     print(f"engine {args.engine}, SLO {args.slo}, workload in {args.input_len} out {args.output_len}, "
-          f"probes {args.probe_requests} x {args.max_probes}")
+          f"probes {args.probe_requests} x {args.max_probes}"
+          + (f"; a neighbour copying memory from {args.neighbour_after:g} s into each run" if args.neighbour_after
+             else ""))
     runs: list[dict] = []
     base: list[dict] = []
     for i in range(args.repeat):  # interleaved: chosen, default, chosen, ...
@@ -147,13 +188,17 @@ def main() -> int:
         out["repeatability_percent"] = spread
         print(f"(b) repeatability over {len(ok)} runs: median {med:.3f} req/s, deviations "
               + ", ".join(f"{s:+.1f}%" for s in spread) + " (goal within +-10%)")
-        # what is left once the machine's own drift is divided out: capacity per GB/s of memory bandwidth (the mean
-        # of the probes before and after each run) -- a diagnostic of where the spread comes from, not the goal
-        per = [r["requests_per_s"] / statistics.mean(r["bandwidth_gbs"]) for r in runs if "error" not in r]
-        med_per = statistics.median(per)
-        out["per_bandwidth_percent"] = [100 * (x - med_per) / med_per for x in per]
-        print("    per GB/s of memory bandwidth (machine drift divided out): deviations "
-              + ", ".join(f"{x:+.1f}%" for x in out["per_bandwidth_percent"]))
+        # which runs the tool itself flagged: the engine canary moved > 10% under them (their notes say a
+        # re-measure may differ by as much); the spread of the others is what an unflagged figure is worth
+        flagged = [i + 1 for i, r in enumerate(x for x in runs if "error" not in x) if not steady(r)]
+        calm = [r["requests_per_s"] for r in runs if "error" not in r and steady(r)]
+        out["flagged_runs"] = flagged
+        print(f"    runs the engine canary flagged (moved > 10%): {flagged or 'none'}")
+        if len(calm) >= 2 and flagged:
+            med_calm = statistics.median(calm)
+            out["unflagged_percent"] = [100 * (x - med_calm) / med_calm for x in calm]
+            print(f"    unflagged runs: median {med_calm:.3f} req/s, deviations "
+                  + ", ".join(f"{x:+.1f}%" for x in out["unflagged_percent"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))

@@ -70,6 +70,8 @@ def test_capacity_on_the_real_engine(tmp_path):
     assert steady["completions"] <= cap["saturation"]["completed"] - cap["saturation"]["concurrency"]
     before, after = cap["machine"]["memory_bandwidth_gbs"]  # the host's speed around the measurement
     assert before > 1 and after > 1 and "machine: memory bandwidth" in proc.stdout
+    assert cap["canary"]["n"] == [3, 3] and min(cap["canary"]["tpot_ms"]) > 0  # the engine's own speed, both ends
+    assert cap["machine"]["drift"] == cap["canary"]["drift"] and "engine canary" in proc.stdout
     assert 1 <= len(cap["probes"]) <= 2 and cap["cost"]["probes"] == len(cap["probes"])
     for p in cap["probes"]:
         assert p["rate_rps"] < cap["saturation"]["requests_per_s"]  # never probed above the saturation rate

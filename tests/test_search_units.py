@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -326,12 +327,51 @@ def test_a_pick_that_drops_when_re_measured_hands_over_to_the_next():
     assert "re-measured after the search; 2 req/s in its trial" in answer(rows, NAMES)["recommendation"]["statement"]
 
 
+def test_a_re_measure_that_fails_ranks_the_pick_last_with_a_verdict_of_the_interface(monkeypatch, tmp_path):
+    """tuner.confirm.confirm_best with the re-measure failing (failure injected in place of the child `tuner bench`):
+    the pick's figure becomes 0 req/s, verdict `indeterminate` (one of meets | misses | indeterminate) with the
+    reason, and the next feasible trial is re-measured and picked."""
+    import optuna
+
+    import tuner.confirm as C
+    from tuner.study import rows_from_study
+
+    def attrs(rps):
+        cap = {"requests_per_s": rps, "requests_per_s_ci": [rps, rps * 1.05], "verdict": "meets", "probes": []}
+        return {"config": {"model": "smollm2-135m", "quant": "bf16", "batch_cap": 8, "kv_fraction": 0.01,
+                           "draft": "none", "device": "cpu"},
+                "metrics": {}, "capacity": cap, "constraints": [-0.5, -1.0, -0.5]}
+
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    for rps in (0.5, 3.0, 2.0):
+        study.add_trial(optuna.trial.create_trial(values=[rps, 0.5], user_attrs=attrs(rps),
+                                                  state=optuna.trial.TrialState.COMPLETE))
+    measured = []
+
+    def measure(config, ctx, trial_dir):
+        measured.append(trial_dir.parent.name)
+        if not measured[1:]:
+            return {"status": "failed", "reason": "engine failed: killed"}
+        return {"status": "ok", "metrics": {"capacity": attrs(1.9)["capacity"]}}
+
+    monkeypatch.setattr(C, "measure", measure)
+    ctx = SimpleNamespace(study_dir=tmp_path)
+    C.confirm_best(study, ctx, 2, log=lambda s: None)
+    assert measured == ["0001", "0002"]
+    one = study.user_attrs["confirmed"]["1"]["capacity"]
+    assert one["verdict"] == "indeterminate" and one["requests_per_s"] == 0.0 and "killed" in one["failed"]
+    a = answer(rows_from_study(study), NAMES, baseline_number=0)
+    assert a["recommendation"]["trial"] == 2 and a["recommendation"]["capacity_requests_per_s"] == 1.9
+
+
 def test_the_answer_says_when_the_machine_moved_under_the_pick_or_the_default():
-    from tuner.capacity import machine_drift
+    from tuner.capacity import engine_drift, machine_drift
 
     rows = [row(0, "fp32", 1, 0.5, (0.5, 0.6), 250.0, 0.0), row(1, "bf16", 8, 2.0, (2.0, 2.2), 290.0, 0.8)]
     assert answer(rows, NAMES)["recommendation"]["machine_drift"] == {}  # not measured (or calm): nothing said
-    rows[0].capacity["machine"] = machine_drift(30.0, 31.0, [])  # calm under the default
-    rows[1].capacity["machine"] = machine_drift(45.0, 30.0, [])  # slowed by a third under the pick
+    calm = engine_drift({"tpot_ms": 20.0, "n": 3}, {"tpot_ms": 21.0, "n": 3}, [])
+    slowed = engine_drift({"tpot_ms": 20.0, "n": 3}, {"tpot_ms": 30.0, "n": 3}, [])
+    rows[0].capacity["machine"] = machine_drift(45.0, 30.0, calm)  # calm under the default (bandwidth aside)
+    rows[1].capacity["machine"] = machine_drift(30.0, 31.0, slowed)  # slowed by a third under the pick
     drift = answer(rows, NAMES)["recommendation"]["machine_drift"]
     assert list(drift) == [1] and drift[1] == pytest.approx(-1 / 3)

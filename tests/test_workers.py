@@ -154,7 +154,7 @@ make_results_dir(ctx.results_dir)
 def stand_in(trial, ctx):
     from tuner.space import suggest_config
     c = suggest_config(trial, ctx.space, ctx.model, ctx.device)
-    time.sleep(0.05 + 0.3 * random.random())
+    time.sleep(float(os.environ.get('TUNER_TEST_TRIAL_S') or 0.05 + 0.3 * random.random()))
     trial.set_user_attr("config", c.to_dict())
     trial.set_user_attr("metrics", {"output_tokens_per_s": 1.0 + c.kv_fraction})
     trial.set_user_attr("constraints", [-1.0, 0.0])
@@ -189,6 +189,21 @@ def stress(tmp_path: Path, storage: str, workers: int, n_trials: int) -> None:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
     check_study(storage, "stress", n_trials, min_workers=2)
+
+
+def test_timeout_starts_no_trial_that_would_end_past_it(tmp_path):
+    """--timeout 4s with trials of 1.5 s: two trials; a third would start at ~3 s and end past the 4 s (Optuna's own
+    timeout starts it), so the search stops, and every trial has ended within the 4 s."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'timeout.db'}"
+    args = stand_in_args(storage, 10, "--latency-target", "60s", "--timeout", "4s", "--confirm", "0")
+    p = start_stand_in(args, tmp_path / "w", TUNER_TEST_TRIAL_S="1.5")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    trials = optuna.load_study(study_name="stress", storage=storage).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert (trials[-1].datetime_complete - trials[0].datetime_start).total_seconds() < 4.0
 
 
 def test_budget_stress_sqlite(tmp_path):

@@ -324,7 +324,8 @@ def run_bench(
     if load is None:
         from tuner.capacity import machine_drift
 
-        capacity["machine"] = machine_drift(bandwidth_before, memory_bandwidth() if host else None, capacity["notes"])
+        capacity["machine"] = machine_drift(bandwidth_before, memory_bandwidth() if host else None,
+                                            capacity.get("canary"))
     if load is None and config.draft != "none":
         try:
             capacity["draft_effect"] = draft_effect(model, tokenizer, config, options, requests, capacity)

@@ -6,31 +6,36 @@ one engine that is already started:
 1. **Warm-up** drawn from the workload itself: `batch_cap` requests (at least 2) in a closed loop at the batch cap,
    so every slot and the largest batch shape have run before anything is timed. Errors are surfaced; the warm-up is
    excluded from every statistic.
-2. **Saturation probe**: a closed loop keeping more than `batch_cap` requests in flight (so the engine never
+2. **Canary**: one fixed prompt, a batch cap's worth of copies sent together (at least `CANARY_RUNS`; median
+   TPOT), here and again after the last rate probe: the engine's own speed at a full batch before and after, so a
+   capacity measured while the host or the device changed under it is said (`canary.drift`, a note past 10%).
+3. **Saturation probe**: a closed loop keeping more than `batch_cap` requests in flight (so the engine never
    idles), whose steady-state completion rate bounds the sustainable rate from above (an open-loop arrival rate
    above the service rate makes the queue grow without bound). Steady state: after the first fill has completed
    and before the loop stops sending (the drain, with fewer and fewer in flight, is left out); the probe sends
    until that window holds max(in-flight, 32) completions over 10 s at least.
-3. **Bracketed rate search** between 0 and that bound: Poisson (or constant) open-loop probes, the arrival pattern
+4. **Bracketed rate search** between 0 and that bound: Poisson (or constant) open-loop probes, the arrival pattern
    scaled to the rate (common random numbers for the arrivals). Each probe gets a verdict against the SLO at the given
    confidence (tuner.stats): `meets` raises the lower end, `misses` lowers the upper end; `indeterminate` gets
    more requests at the same rate (pooled, up to the per-probe cap) and, still undecided, is treated as not
    shown to meet (it lowers the upper end; the answer says so). Below the first meeting rate the search halves
    the rate; between a meeting and a missing rate it bisects, until the bracket is within `tolerance` of its
    upper end or the budget (probes, requests, seconds) is spent.
-4. **Steady state**: the first `ramp_fraction` of each probe's requests (at least 1) see an emptier engine than
+5. **Steady state**: the first `ramp_fraction` of each probe's requests (at least 1) see an emptier engine than
    the rest; they are sent but left out of the probe's statistics.
-5. **Fresh prompts for every request**: warm-up, saturation and probes take the next unused prompts of one
+6. **Fresh prompts for every request**: warm-up, saturation and probes take the next unused prompts of one
    deterministic stream (same seed, same prompts in the same order). Serving a prompt twice would measure the
    server's prompt cache (llama-server's `cache_prompt` and host prompt cache, vLLM's prefix caching) instead of
-   the traffic a user sends; a trace too short for the budget is reused, and the result says so.
-6. A probe stops early only when its verdict can no longer be anything but `misses` (every request still to
+   the traffic a user sends; a trace too short for the budget is reused, and the result says so. (The canary
+   alone repeats its prompt, on purpose: the same request before and after.)
+7. A probe stops early only when its verdict can no longer be anything but `misses` (every request still to
    finish counted as meeting the SLO): an exceeded bound is exceeded with confidence before the probe is cut.
 
 Result (`metrics.capacity` of `tuner bench --capacity`, one trial's measure in `tuner search`):
 `{requests_per_s, requests_per_s_ci: [low, high], output_tokens_per_s, goodput_requests_per_s, verdict, slo,
-warmup, saturation, probes: [{rate_rps, n, ..., verdict}], cost: {requests, probes, wall_s}, notes}`, and from
-tuner.bench `machine: {memory_bandwidth_gbs: [before, after], drift}` (CPU).
+warmup, canary: {tpot_ms: [before, after], n, drift}, saturation, probes: [{rate_rps, n, ..., verdict}], cost:
+{requests, probes, wall_s}, notes}`, and from tuner.bench `machine: {memory_bandwidth_gbs: [before, after] (CPU),
+drift}` (drift: the canary's).
 `requests_per_s` is the highest probed rate shown to meet the SLO (0 when none); the interval runs from it to the
 lowest rate above it not shown to meet (or the saturation rate): each end decided at the SLO's confidence.
 """
@@ -38,6 +43,7 @@ lowest rate above it not shown to meet (or the saturation rate): each end decide
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -231,12 +237,28 @@ class CapacitySearch:
         return {"n": n, "concurrency": self.cap, "failed": len(failed),
                 "errors": sorted({r.error or "" for r in failed})[:3], "duration_s": load.duration_s}
 
+    def canary(self) -> dict[str, Any]:
+        """The engine's speed at a full batch now: the median TPOT of max(batch cap, `CANARY_RUNS`) copies of one
+        fixed prompt (the warm-up's first), sent together at the batch cap (one at a time at cap 1) to the idle
+        engine, so each decoding step is as wide as the capacity's. Measured before the saturation probe and after
+        the last rate probe: a capacity measured while the engine itself sped up or slowed down (another tenant on
+        the host, a throttled device) differs from a re-measure by about as much, whatever the configuration. (A
+        single request alone was tried first: a neighbour taking one of 2 cores cut the capacity at cap 16 by 30%
+        and that request's TPOT by 3-12%.)"""
+        reqs = with_arrivals([self.pool[0]] * max(self.cap, CANARY_RUNS), None, self.o.arrival, self.o.seed)
+        load = self.run(reqs, concurrency=self.cap, timeout_s=self.o.max_wall_s, should_stop=None)
+        self.requests_used += len(reqs)
+        tpots = [r.tpot_ms for r in load.results if r.tpot_ms is not None]
+        return {"tpot_ms": statistics.median(tpots) if tpots else None, "n": len(tpots)}
+
     def saturate(self) -> dict[str, Any]:
         """Closed loop at `c` in flight. The service rate is counted in steady state only: from the c-th completion
         (the initial fill has drained through) while the loop still keeps `c` in flight -- up to the moment it stops
         sending; the drain after the last send (fewer and fewer in flight, its length set by whichever requests
         came last) is left out. The probe stops sending once that window holds `steady_count` completions over at
-        least `steady_s` seconds (or at `saturation_count` requests)."""
+        least `steady_s` seconds (or at `saturation_count` requests), or, on a slow engine, once it has run for
+        `SATURATION_SHARE` of the capacity budget with `MIN_STEADY` completions in its window: the rate probes need
+        the rest (32 completions of fp32 at batch cap 1 took 90 s of an 80 s budget, and no rate was probed)."""
         c = self.o.saturation_in_flight(self.cap)
         n = self.o.saturation_count(self.cap)
         want, want_s = self.o.steady_count(self.cap), self.o.steady_s
@@ -245,6 +267,9 @@ class CapacitySearch:
             ends = sorted(finish_s(r) for r in finished if r.ok)
             if len(ends) - c >= want and ends[-1] - ends[c - 1] >= want_s:
                 return f"steady state measured: {len(ends) - c} completions over {ends[-1] - ends[c - 1]:.1f} s"
+            if len(ends) - c >= MIN_STEADY and ends[-1] >= SATURATION_SHARE * self.o.max_wall_s:
+                return (f"saturation's share of the budget spent: {len(ends) - c} completions over "
+                        f"{ends[-1] - ends[c - 1]:.1f} s")
             return None
 
         reqs = with_arrivals(self.take(n), None, self.o.arrival, self.o.seed)
@@ -335,6 +360,7 @@ class CapacitySearch:
         warm = self.warm_up()
         if warm["failed"] == warm["n"]:
             raise RuntimeError(f"every warm-up request failed: {warm['errors'][0] if warm['errors'] else '?'}")
+        canary_before = self.canary()
         sat = self.saturate()
         self.log(f"saturation ({sat['concurrency']} in flight, n={sat['n']}): {sat['requests_per_s']:.3f} req/s")
         out: dict[str, Any] = {"warmup": warm, "saturation": sat}
@@ -364,6 +390,7 @@ class CapacitySearch:
             if len(self.probes) < o.max_probes:
                 self.notes.append(f"capacity budget spent ({self.requests_used} requests, "
                                   f"{time.monotonic() - self.t0:.0f} s): the bracket is wider than {o.tolerance:.0%}")
+        canary = engine_drift(canary_before, self.canary(), self.notes)
         if low_probe is not None:
             verdict = MEETS
         elif self.probes and all(p["verdict"] == MISSES for p in self.probes):
@@ -380,6 +407,7 @@ class CapacitySearch:
             "goodput_requests_per_s": low_probe.get("goodput_requests_per_s") if low_probe else None,
             "verdict": verdict,
             "slo": o.slo.to_dict(),
+            "canary": canary,
             "probes": sorted(self.probes, key=lambda p: p["rate_rps"]),
             "cost": {"requests": self.requests_used, "probes": len(self.probes),
                      "wall_s": time.monotonic() - self.t0},
@@ -392,21 +420,31 @@ class CapacitySearch:
         return out
 
 
-DRIFT_NOTE = 0.10  # a move of the machine's memory bandwidth during one measurement worth saying
+SATURATION_SHARE = 0.4  # of the capacity budget (max_wall_s) the saturation probe may take on a slow engine
+MIN_STEADY = 8  # completions its steady window needs even then
+DRIFT_NOTE = 0.10  # a move of the engine's own speed during one measurement worth saying
+CANARY_RUNS = 3  # requests per canary at least (their median TPOT); the batch cap's worth on wider engines
 
 
-def machine_drift(before_gbs: float | None, after_gbs: float | None, notes: list[str]) -> dict[str, Any]:
-    """The host's memory bandwidth before and after a capacity measurement (CPU serving only), with a note when it
-    moved by more than 10%: a capacity measured while the machine itself sped up or slowed down differs from a
-    re-measure by about as much, whatever the configuration."""
-    out: dict[str, Any] = {"memory_bandwidth_gbs": [before_gbs, after_gbs], "drift": None}
-    if before_gbs and after_gbs:
-        out["drift"] = after_gbs / before_gbs - 1
+def engine_drift(before: dict[str, Any], after: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """The canary before and after (`CapacitySearch.canary`), with `drift` = the change of the engine's speed
+    (before TPOT / after TPOT - 1: negative = slower at the end) and a note when it moved by more than 10%."""
+    b, a = before.get("tpot_ms"), after.get("tpot_ms")
+    out: dict[str, Any] = {"tpot_ms": [b, a], "n": [before.get("n"), after.get("n")], "drift": None}
+    if b and a:
+        out["drift"] = b / a - 1
         if abs(out["drift"]) > DRIFT_NOTE:
-            notes.append(f"the machine's memory bandwidth moved {out['drift']:+.0%} during this measurement "
-                         f"({before_gbs:.1f} -> {after_gbs:.1f} GB/s: a shared host): a re-measure may differ by "
-                         "as much")
+            notes.append(f"the engine's speed moved {out['drift']:+.0%} during this measurement (its canary, the "
+                         f"same batch of one prompt: TPOT {b:.1f} -> {a:.1f} ms: the host's other load, the device "
+                         "or the engine's own state changed): a re-measure may differ by as much")
     return out
+
+
+def machine_drift(before_gbs: float | None, after_gbs: float | None, canary: dict[str, Any] | None) -> dict[str, Any]:
+    """What moved under a capacity measurement: `drift` is the engine canary's (the speed of the engine itself,
+    what the capacity moves with), with the host's memory bandwidth before and after (CPU serving only) as context:
+    on a shared host that probe alone moves by a third while the capacity holds, so it says nothing by itself."""
+    return {"memory_bandwidth_gbs": [before_gbs, after_gbs], "drift": (canary or {}).get("drift")}
 
 
 def capacity_point(capacity: dict[str, Any]) -> dict[str, Any] | None:

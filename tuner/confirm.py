@@ -17,6 +17,7 @@ from typing import Any
 
 from tuner.config import TrialConfig
 from tuner.objective import SearchContext, measure
+from tuner.stats import INDETERMINATE
 from tuner.study import CONFIRMED, Row, rows_from_study
 
 
@@ -40,10 +41,11 @@ def confirm_best(study: Any, ctx: SearchContext, max_measures: int, log: Any = p
                         ctx.study_dir / "trials" / f"{row.number:04d}" / f"confirm-{k}")
         metrics = dict(bench.get("metrics") or {})
         capacity = metrics.pop("capacity", None) if bench.get("status") == "ok" else None
-        if capacity is None:  # a re-measure that fails says the pick cannot be reproduced: it ranks last
+        if capacity is None:  # a re-measure that fails says the pick cannot be reproduced: no rate was shown to
+            # meet the SLO (verdict indeterminate, capacity 0), so it ranks last; why is in `failed`
             reason = bench.get("reason") or "the re-measurement wrote no result"
-            capacity = {"requests_per_s": 0.0, "requests_per_s_ci": [0.0, 0.0], "verdict": "failed",
-                        "notes": [f"re-measure failed: {reason}"]}
+            capacity = {"requests_per_s": 0.0, "requests_per_s_ci": [0.0, 0.0], "verdict": INDETERMINATE,
+                        "failed": reason, "notes": [f"re-measure failed: {reason}"]}
         confirmed = dict(study.user_attrs.get(CONFIRMED) or {})
         confirmed[str(row.number)] = {"capacity": capacity, "metrics": metrics, "wall_s": time.monotonic() - t0}
         study.set_user_attr(CONFIRMED, confirmed)

@@ -23,6 +23,7 @@ Reliability contract:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import json
 import logging
@@ -516,6 +517,7 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
     me = worker_tag()
     warn_same_host(study, ctx.device)
     t0 = time.time()
+    run_start = datetime.datetime.now()
     bar = None
     try:
         with sigterm_as_interrupt():
@@ -555,6 +557,12 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
                     if sum(t.state != optuna.trial.TrialState.WAITING for t in trials) >= n_trials:
                         break
                     remember_quality(ctx, trials)
+                    if deadline is not None:
+                        late = past_deadline(trials, me, run_start, ctx.confirm, deadline - time.monotonic())
+                        if late:
+                            if progress:
+                                print(f"\ntuner search: --timeout {timeout}: {late}", file=sys.stderr)
+                            break
                     try:
                         study.optimize(func, n_trials=1, catch=(TrialFailed,), callbacks=[on_trial],
                                        gc_after_trial=True)
@@ -580,6 +588,21 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
             return write_answer(study, ctx, storage_url, time.time() - t0)
     finally:
         lock.close()
+
+
+def past_deadline(trials: list[Any], me: str, since: Any, confirm: int, left_s: float) -> str | None:
+    """Why no trial should start with `left_s` seconds of `--timeout` left, or None: the next trial is expected to
+    take as long as the longest this worker ran in this run, and the re-measures of the pick (`--confirm`) as long as
+    the longest capacity measurement; before any trial finished, one starts while time is left."""
+    mine = [t for t in trials if t.user_attrs.get("worker") == me and t.datetime_start and t.datetime_complete
+            and t.datetime_start >= since]
+    trial_s = max(((t.datetime_complete - t.datetime_start).total_seconds() for t in mine), default=0.0)
+    confirm_s = confirm * max((float(t.user_attrs.get("child_wall_s") or 0.0) for t in mine), default=0.0)
+    if left_s > trial_s + confirm_s:
+        return None
+    what = f"the longest trial took {trial_s:.0f} s" + (f", re-measuring the pick ~{confirm_s:.0f} s" if confirm_s
+                                                       else "")
+    return f"no new trial: {max(left_s, 0.0):.0f} s left ({what})"
 
 
 def confirm_pick(study: Any, ctx: SearchContext, lock: StorageLock, me: str, progress: bool) -> None:

@@ -236,6 +236,10 @@ def format_capacity(c: dict[str, Any]) -> list[str]:
     cost = c["cost"]
     lines.append(f"  cost: {cost['probes']} probes + warm-up + saturation, {cost['requests']} requests, "
                  f"{cost['wall_s']:.0f} s")
+    tp = (c.get("canary") or {}).get("tpot_ms") or [None, None]
+    if None not in tp:
+        lines.append(f"  engine canary (one prompt, a full batch): TPOT {tp[0]:.1f} ms before, {tp[1]:.1f} after "
+                     f"({c['canary']['drift']:+.0%} speed)")
     bw = (c.get("machine") or {}).get("memory_bandwidth_gbs") or [None, None]
     if None not in bw:
         lines.append(f"  machine: memory bandwidth {bw[0]:.1f} GB/s before, {bw[1]:.1f} after")

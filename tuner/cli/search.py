@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality-tasks", help="comma-separated lm-eval tasks (default: from the space file)")
     p.add_argument("--quality-limit", type=int, help="items per task (default: from the space file)")
     p.add_argument("--trials", type=int, default=20, help="trial budget of the study, resumed runs included")
-    p.add_argument("--timeout", help="stop starting trials after this long: 20m, 1h, 90s (the re-measure of the "
-                                     "pick, --confirm, comes after)")
+    p.add_argument("--timeout", help="the search's time budget: 20m, 1h, 90s; no trial starts that would end past "
+                                     "it (expected: as long as the longest so far, plus the --confirm re-measures)")
     p.add_argument("--confirm", type=int, default=2, metavar="N",
                    help="after the last trial, re-measure the pick (and the next one if the pick drops below it), "
                         "up to N measurements, and report those figures: the best of many noisy trials runs high "
@@ -347,8 +347,8 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
             lines.append(f"  launch (exactly what was measured): {shlex.join(rec['launch'])}")
         lines.append(f"  binding constraint: {rec['binding_constraint']}")
         for number, drift in (rec.get("machine_drift") or {}).items():
-            lines.append(f"  machine: the host's memory bandwidth moved {drift:+.0%} while trial {number} was measured "
-                         "(a shared host): its figure, and the gain, can be off by about as much")
+            lines.append(f"  machine: the engine's own speed moved {drift:+.0%} while trial {number} was measured "
+                         "(its canary; a shared host): its figure, and the gain, can be off by about as much")
         if rec.get("indistinguishable_from"):
             lines.append(f"  not distinguishable from trial(s) {', '.join(map(str, rec['indistinguishable_from']))}"
                          " (capacity intervals overlap): measure longer to separate them")
