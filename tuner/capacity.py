@@ -256,9 +256,10 @@ class CapacitySearch:
         (the initial fill has drained through) while the loop still keeps `c` in flight -- up to the moment it stops
         sending; the drain after the last send (fewer and fewer in flight, its length set by whichever requests
         came last) is left out. The probe stops sending once that window holds `steady_count` completions over at
-        least `steady_s` seconds (or at `saturation_count` requests), or, on a slow engine, once it has run for
-        `SATURATION_SHARE` of the capacity budget with `MIN_STEADY` completions in its window: the rate probes need
-        the rest (32 completions of fp32 at batch cap 1 took 90 s of an 80 s budget, and no rate was probed)."""
+        least `steady_s` seconds (or at `saturation_count` requests), or, on a slow engine, with `MIN_STEADY`
+        completions in its window once going on would leave too little of the capacity budget for the first rate
+        probe (at the rate measured so far) after the requests in flight: 32 completions of fp32 at batch cap 1 took
+        90 s of an 80 s budget in `make demo`, and no rate was ever probed."""
         c = self.o.saturation_in_flight(self.cap)
         n = self.o.saturation_count(self.cap)
         want, want_s = self.o.steady_count(self.cap), self.o.steady_s
@@ -267,9 +268,11 @@ class CapacitySearch:
             ends = sorted(finish_s(r) for r in finished if r.ok)
             if len(ends) - c >= want and ends[-1] - ends[c - 1] >= want_s:
                 return f"steady state measured: {len(ends) - c} completions over {ends[-1] - ends[c - 1]:.1f} s"
-            if len(ends) - c >= MIN_STEADY and ends[-1] >= SATURATION_SHARE * self.o.max_wall_s:
-                return (f"saturation's share of the budget spent: {len(ends) - c} completions over "
-                        f"{ends[-1] - ends[c - 1]:.1f} s")
+            if len(ends) - c >= MIN_STEADY:
+                rate = (len(ends) - c) / max(ends[-1] - ends[c - 1], 1e-9)
+                if time.monotonic() - self.t0 + c / rate + self.first_probe_s(rate) >= self.o.max_wall_s:
+                    return (f"the first rate probe's budget reached: {len(ends) - c} completions over "
+                            f"{ends[-1] - ends[c - 1]:.1f} s")
             return None
 
         reqs = with_arrivals(self.take(n), None, self.o.arrival, self.o.seed)
@@ -340,6 +343,10 @@ class CapacitySearch:
             qs.append(float(self.o.slo.attainment))
         return max((min_samples_to_meet(q, self.o.slo.confidence) for q in qs), default=5)
 
+    def first_probe_s(self, saturation_rps: float) -> float:
+        """How long the first rate probe's first pass takes (it starts at FIRST_PROBE x the saturation rate)."""
+        return self.o.probe_requests[0] / (FIRST_PROBE * saturation_rps)
+
     def out_of_budget(self, next_probe_s: float = 0.0) -> bool:
         left = self.o.max_wall_s - (time.monotonic() - self.t0)
         return self.probe_requests_used >= self.o.max_requests or left <= next_probe_s
@@ -370,7 +377,7 @@ class CapacitySearch:
         high = sat["requests_per_s"]  # an open-loop rate above the service rate is not sustainable
         low = 0.0
         low_probe: dict[str, Any] | None = None
-        rate = 0.75 * high
+        rate = FIRST_PROBE * high
         floor = high / 64.0
         while len(self.probes) < o.max_probes and not self.out_of_budget(o.probe_requests[0] / rate):
             p = self.probe(rate)
@@ -420,8 +427,8 @@ class CapacitySearch:
         return out
 
 
-SATURATION_SHARE = 0.4  # of the capacity budget (max_wall_s) the saturation probe may take on a slow engine
-MIN_STEADY = 8  # completions its steady window needs even then
+FIRST_PROBE = 0.75  # the first rate probed, as a share of the saturation rate
+MIN_STEADY = 8  # completions the saturation's steady window needs even on a slow engine
 DRIFT_NOTE = 0.10  # a move of the engine's own speed during one measurement worth saying
 CANARY_RUNS = 3  # requests per canary at least (their median TPOT); the batch cap's worth on wider engines
 
