@@ -114,9 +114,11 @@ def canary(r: dict) -> str:
 
 
 def steady(r: dict) -> bool:
-    """The run's engine canary held within 10% (tuner.capacity.DRIFT_NOTE): no note of a moved engine."""
+    """The run's engine canary held within tuner.capacity.DRIFT_NOTE: no note of a moved engine."""
+    from tuner.capacity import DRIFT_NOTE
+
     d = (r.get("canary") or {}).get("drift")
-    return d is not None and abs(d) <= 0.10
+    return d is not None and abs(d) <= DRIFT_NOTE
 
 
 def report_gain(runs: list[dict], base: dict) -> dict:
@@ -190,7 +192,7 @@ def main() -> int:
               + ", ".join(f"{s:+.1f}%" for s in spread) + " (goal within +-10%)")
         # which runs the tool itself flagged: the engine canary moved > 10% under them (their notes say a
         # re-measure may differ by as much); the spread of the others is what an unflagged figure is worth
-        flagged = [i + 1 for i, r in enumerate(x for x in runs if "error" not in x) if not steady(r)]
+        flagged = [i + 1 for i, r in enumerate(runs) if "error" not in r and not steady(r)]  # as printed above
         calm = [r["requests_per_s"] for r in runs if "error" not in r and steady(r)]
         out["flagged_runs"] = flagged
         print(f"    runs the engine canary flagged (moved > 10%): {flagged or 'none'}")
