@@ -8,7 +8,8 @@ measurement in a fresh process, interleaved so slow drifts of the shared machine
 Usage: .venv/bin/python benchmarks/bench_capacity.py [--slo "ttft:p90<2s"] [--repeat 3] [--json out.json]
        [--engine llamacpp|vllm --skip-default --config Q8_0,8,0.002,none]
        [--config quant,cap,kv,draft] [--input-len 64:192] [--output-len 24:48] [--probe-requests 30:60]
-       [--neighbour-after S]  (a neighbour process arriving S s into each run: does the engine canary flag it?)
+       [--neighbour-after S [--neighbour-for S]]  (a neighbour process arriving S s into each run, leaving after
+       S s: does the engine canary flag it, and does the re-measure it triggers recover the quiet figure?)
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def measure(cfg: tuple, args: argparse.Namespace) -> dict:
                 "--probe-requests", args.probe_requests, "--max-probes", str(args.max_probes),
                 "--capacity-timeout", args.capacity_timeout, "--seed", str(args.seed),
                 "--no-bandwidth", "--quiet", "--json", str(out), *shlex.split(args.bench_args)]
-        proc = with_neighbour(args.neighbour_after, argv) if args.neighbour_after else \
+        proc = with_neighbour(args.neighbour_after, args.neighbour_for, argv) if args.neighbour_after else \
             subprocess.run(argv, capture_output=True, text=True)
         wall = time.perf_counter() - t
         bw = [bw_before, memory_bandwidth()]
@@ -69,15 +70,18 @@ def measure(cfg: tuple, args: argparse.Namespace) -> dict:
             "verdict": cap_["verdict"], "output_tokens_per_s": cap_["output_tokens_per_s"],
             "saturation_rps": cap_["saturation"]["requests_per_s"], "probes": len(cap_["probes"]),
             "requests": cap_["cost"]["requests"], "wall_s": wall, "notes": cap_["notes"], "gflops": gflops,
-            "bandwidth_gbs": bw, "canary": cap_.get("canary") or {}}
+            "bandwidth_gbs": bw, "canary": cap_.get("canary") or {},
+            "rates": [(p["rate_rps"], p["n"], p["verdict"]) for p in cap_["probes"]],
+            "remeasured": cap_.get("remeasured")}
 
 
 NEIGHBOUR = "import numpy as np\na = np.ones(2**25)\nb = np.empty_like(a)\nwhile True:\n    np.copyto(b, a)\n"
 
 
-def with_neighbour(after_s: float, argv: list[str]) -> subprocess.CompletedProcess:
-    """Run `argv` while, from `after_s` seconds on, another process copies 256 MB arrays in a loop on one core (a
-    neighbour arriving on the host mid-measurement: memory bandwidth and a core taken)."""
+def with_neighbour(after_s: float, for_s: float, argv: list[str]) -> subprocess.CompletedProcess:
+    """Run `argv` while, from `after_s` seconds on (for `for_s` seconds, 0: until it ends), another process copies
+    256 MB arrays in a loop on one core (a neighbour arriving on the host mid-measurement: memory bandwidth and a
+    core taken)."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     hog = None
     try:
@@ -85,7 +89,11 @@ def with_neighbour(after_s: float, argv: list[str]) -> subprocess.CompletedProce
             out, err = proc.communicate(timeout=after_s)
         except subprocess.TimeoutExpired:
             hog = subprocess.Popen([sys.executable, "-c", NEIGHBOUR])
-            out, err = proc.communicate()
+            try:
+                out, err = proc.communicate(timeout=for_s or None)
+            except subprocess.TimeoutExpired:
+                hog.kill()
+                out, err = proc.communicate()
     finally:
         if hog is not None:
             hog.kill()
@@ -102,15 +110,24 @@ def show(r: dict) -> str:
     return (f"  {name:<36} {r['requests_per_s']:.3f} req/s [{lo:.3f}, {hi:.3f}] {r['verdict']:<13} "
             f"sat {r['saturation_rps']:.3f}  {r['probes']} probes, {r['requests']} req, {r['wall_s']:.0f} s; "
             f"machine {r['gflops']:.0f} GFLOP/s before, memory {r['bandwidth_gbs'][0]:.1f} -> "
-            f"{r['bandwidth_gbs'][1]:.1f} GB/s; {canary(r)}")
+            f"{r['bandwidth_gbs'][1]:.1f} GB/s; {canary(r)}" + remeasured(r))
+
+
+def remeasured(r: dict) -> str:
+    """The run measured twice (its canary moved past 10% in the first): both figures, which one it reported."""
+    again = r.get("remeasured")
+    if not again:
+        return ""
+    parts = [f"{a['requests_per_s']:.3f} (canary {a['canary']['drift']:+.0%})" if a["canary"].get("drift") is not None
+             else f"{a['requests_per_s']:.3f}" for a in again["attempts"]]
+    return f"; measured twice: {' then '.join(parts)}, reported #{again['kept'] + 1}"
 
 
 def canary(r: dict) -> str:
     c = r.get("canary") or {}
-    b, a = c.get("tpot_ms") or [None, None]
-    if not b or not a:
+    if c.get("drift") is None:
         return "canary -"
-    return f"canary TPOT {b:.1f} -> {a:.1f} ms ({c['drift']:+.0%})"
+    return f"canary ITL p50 {' '.join(f'{t:.0f}' for t in c['itl_ms'] if t)} ms (largest move {c['drift']:+.0%})"
 
 
 def steady(r: dict) -> bool:
@@ -160,6 +177,8 @@ def main() -> int:
     p.add_argument("--neighbour-after", type=float, default=0.0, metavar="S",
                    help="from S s into each run of --config, a neighbour process copies 256 MB arrays on one core "
                         "until the run ends (does the canary see it?); 0: none")
+    p.add_argument("--neighbour-for", type=float, default=0.0, metavar="S",
+                   help="the neighbour leaves after S s (a transient neighbour); 0: it stays until the run ends")
     p.add_argument("--json")
     args = p.parse_args()
     if args.engine != "transformers" and not args.skip_default:
@@ -170,8 +189,8 @@ def main() -> int:
     chosen = (q, int(cap), float(kv), draft)
     print(f"engine {args.engine}, SLO {args.slo}, workload in {args.input_len} out {args.output_len}, "
           f"probes {args.probe_requests} x {args.max_probes}"
-          + (f"; a neighbour copying memory from {args.neighbour_after:g} s into each run" if args.neighbour_after
-             else ""))
+          + (f"; a neighbour copying memory from {args.neighbour_after:g} s into each run"
+             + (f" for {args.neighbour_for:g} s" if args.neighbour_for else "") if args.neighbour_after else ""))
     runs: list[dict] = []
     base: list[dict] = []
     for i in range(args.repeat):  # interleaved: chosen, default, chosen, ...

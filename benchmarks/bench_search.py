@@ -136,7 +136,7 @@ def replay_search(data: dict, ctx, seed: int, budget: int, no_repeat: bool = Tru
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     surface = {key(r["knobs"]): r for r in data["rows"]}
-    sampler = make_sampler(seed, budget, ctx.space if no_repeat else None)
+    sampler = make_sampler(seed, ctx.space if no_repeat else None)
     study = optuna.create_study(directions=DIRECTIONS, sampler=sampler)
     if no_repeat:
         enqueue_start(study, ctx.space, seed, budget)

@@ -70,9 +70,13 @@ def test_capacity_on_the_real_engine(tmp_path):
     assert steady["completions"] <= cap["saturation"]["completed"] - cap["saturation"]["concurrency"]
     before, after = cap["machine"]["memory_bandwidth_gbs"]  # the host's speed around the measurement
     assert before > 1 and after > 1 and "machine: memory bandwidth" in proc.stdout
-    assert cap["canary"]["n"] == [3, 3] and min(cap["canary"]["tpot_ms"]) > 0  # the engine's own speed, both ends
+    # the engine's own speed at the start, after the saturation probe and after every rate probe
+    assert len(cap["canary"]["n"]) == 2 + len(cap["probes"]) and min(cap["canary"]["n"]) >= 3 * 5  # 3 x 6-8 tokens
+    assert min(cap["canary"]["itl_ms"]) > 0
     assert cap["machine"]["drift"] == cap["canary"]["drift"] and "engine canary" in proc.stdout
-    assert 1 <= len(cap["probes"]) <= 2 and cap["cost"]["probes"] == len(cap["probes"])
+    # measured twice when its canary moved past 10% (the cost counts both): the probes listed are the kept one's
+    attempts = (cap.get("remeasured") or {}).get("attempts") or [{"probes": len(cap["probes"])}]
+    assert 1 <= len(cap["probes"]) <= 2 and cap["cost"]["probes"] == sum(a["probes"] for a in attempts)
     for p in cap["probes"]:
         assert p["rate_rps"] < cap["saturation"]["requests_per_s"]  # never probed above the saturation rate
         assert p["n"] >= 8 and p["verdict"] in ("meets", "misses", "indeterminate")

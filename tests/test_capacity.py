@@ -123,32 +123,89 @@ def test_a_pool_shorter_than_the_budget_repeats_prompts_and_says_so():
     finally:
         engine.stop(drain=False)
     assert len(sent) > 12 and len(set(sent[:12])) == 12  # each prompt once before any repeats
-    assert canary == [0] * 6  # the canary repeats the warm-up's first prompt on purpose: the same request twice
+    # the canary repeats the warm-up's first prompt on purpose: the same request at the start and after every step
+    assert canary == [0] * 3 * (2 + len(cap["probes"]))
     assert sum("repeat prompts" in n for n in cap["notes"]) == 1
 
 
 def test_an_engine_that_slowed_during_the_measurement_is_said():
-    """The canary (one fixed prompt, 3 copies at the batch cap of 2, before the saturation probe and after the last
-    rate probe): an
-    engine whose every request from the 6th on runs 1.5x slower (warm-up 2 + first canary 3, then the slowdown, as a
-    neighbour arriving on the host) gives drift -33% and a note; a steady engine, neither."""
+    """The canary (one fixed prompt, 3 copies at the batch cap of 2, before the saturation probe, after it and after
+    every rate probe): an engine whose every request from the 6th on runs 1.5x slower (warm-up 2 + first canary 3,
+    then the slowdown, as a neighbour arriving on the host) gives a drift of +50% (the start ran 1.5x as fast as the
+    measurement's median) and a note; a steady engine, neither.
+    A neighbour there only during the saturation probe (gone before the first rate probe) is seen too."""
     slo = SLO(tuple(parse_slo("e2e:p90<200ms")))
     steady = search(FakeEngine(servers=2, prefill_s=0.02, token_s=0.01), slo)
-    assert steady["canary"]["n"] == [3, 3] and abs(steady["canary"]["drift"]) < 0.1
+    # each canary: 3 copies x 7 gaps between their 8 tokens
+    assert steady["canary"]["n"] == [3 * 7] * (2 + len(steady["probes"])) and abs(steady["canary"]["drift"]) < 0.1
+    assert steady["canary"]["at"][:2] == ["start", "after the saturation probe"]
     assert not any("engine's speed moved" in n for n in steady["notes"])
     slowed = search(FakeEngine(servers=2, prefill_s=0.02, token_s=0.01, slow=lambda n: 1.5 if n >= 5 else 1.0), slo)
-    assert slowed["canary"]["drift"] == pytest.approx(-1 / 3, abs=0.08)
-    assert sum("engine's speed moved -3" in n for n in slowed["notes"]) == 1
+    assert slowed["canary"]["drift"] == pytest.approx(0.5, abs=0.12)  # the start ran 1.5x the typical speed
+    assert sum("engine's speed moved +" in n and "ms start" in n for n in slowed["notes"]) == 1
+    # requests 5..(5 + 3 + the saturation's): the second canary follows the saturation probe, then the engine is
+    # steady again, as at the start
+    sat_n = CapacityOptions(slo=slo).saturation_count(2)
+    passing = search(FakeEngine(servers=2, prefill_s=0.02, token_s=0.01,
+                                slow=lambda n: 1.5 if 5 <= n < 5 + sat_n + 3 else 1.0), slo, saturation_requests=sat_n)
+    itl = passing["canary"]["itl_ms"]
+    assert passing["canary"]["drift"] == pytest.approx(-1 / 3, abs=0.08)  # slower than typical, then
+    assert itl[0] == pytest.approx(itl[-1], rel=0.1)  # the first and the last alone would have seen nothing
+
+
+def test_an_engine_that_moved_under_the_measurement_is_measured_again():
+    """`measure_capacity`: a neighbour slows every request 1.5x from the end of the first canary to the end of the
+    first measurement (its last canary), then leaves. The first measurement's canary moved ~50%; the budget holds
+    a second one, on fresh prompts, whose engine held steady: it is the figure reported, near the engine's real
+    service rate and above the first's. A steady engine is measured once; a budget too short for a second says so."""
+    from tuner.capacity import measure_capacity
+
+    mu = 2 / (0.02 + 7 * 0.01)  # the steady engine's service rate (test_finds_a_known_service_rate_within_tolerance)
+    slo = SLO(tuple(parse_slo("e2e:p90<200ms")))
+
+    def measure(neighbour: bool, **kw):
+        warmups = [0]  # a measurement starts with its warm-up: 2 requests at the batch cap of 2 (a canary sends
+        # CANARY_RUNS = 3, the saturation 3 in flight, the probes open loop)
+        engine = FakeEngine(servers=2, prefill_s=0.02, token_s=0.01,
+                            slow=lambda n: 1.5 if neighbour and n >= 5 and warmups[0] < 2 else 1.0)
+        engine.start()
+        try:
+            def run(reqs, concurrency, timeout_s, should_stop):
+                load = run_load(engine, reqs, concurrency, timeout_s, should_stop, progress=False)
+                warmups[0] += concurrency == 2 and len(reqs) == 2
+                return load
+
+            opts = CapacityOptions(slo=slo, **{"probe_requests": (30, 60), "arrival": "constant", **kw})
+            return measure_capacity(run, pool(opts.pool_size(2, measurements=2)), 2, opts), warmups[0]
+        finally:
+            engine.stop(drain=False)
+
+    cap, measurements = measure(neighbour=True)
+    assert measurements == 2 and cap["remeasured"]["kept"] == 1
+    first, second = cap["remeasured"]["attempts"]
+    assert first["canary"]["drift"] == pytest.approx(0.5, abs=0.12) and abs(second["canary"]["drift"]) < 0.1
+    assert cap["requests_per_s"] == second["requests_per_s"] > first["requests_per_s"]
+    assert mu * 0.8 <= cap["requests_per_s"] <= mu * 1.05
+    assert cap["notes"][0].startswith("measured twice: the engine's speed moved +")
+    assert cap["cost"]["wall_s"] == pytest.approx(first["wall_s"] + second["wall_s"])
+    assert not any("repeat" in n for n in cap["notes"] + first["notes"])  # the second sent fresh prompts
+
+    steady, measurements = measure(neighbour=False)
+    assert measurements == 1 and "remeasured" not in steady and abs(steady["canary"]["drift"]) < 0.1
+    short, measurements = measure(neighbour=True, max_wall_s=first["wall_s"] * 1.5)
+    assert measurements == 1 and "remeasured" not in short
+    assert any(n.startswith("not re-measured") for n in short["notes"])
 
 
 def test_a_slow_engine_leaves_budget_for_the_rate_probes():
-    """~5 req/s at batch cap 1 with a 6 s budget: 32 steady completions would take the whole budget and leave no
-    rate probe (fp32 at cap 1 in `make demo`); the saturation probe stops with 8 or more once the first probe would
-    no longer fit after it, and that probe runs."""
+    """~5 req/s at batch cap 1 with a 12 s budget: the saturation's own steady window (32 completions over 10 s at
+    least) would take most of the budget and leave no rate probe (fp32 at cap 1 in `make demo`); the saturation probe
+    stops with 8 or more once the first probe (and the canaries after each step) would no longer fit after it, and
+    that probe runs."""
     from tuner.capacity import MIN_STEADY
 
     cap = search(FakeEngine(servers=1, prefill_s=0.05, token_s=0.02), SLO(tuple(parse_slo("e2e:p50<2s"))),
-                 max_wall_s=6.0, probe_requests=(8, 8))
+                 max_wall_s=12.0, probe_requests=(8, 8))
     steady = cap["saturation"]["steady"]
-    assert MIN_STEADY <= steady["completions"] < 32
+    assert steady["completions"] >= MIN_STEADY and steady["seconds"] < 10.0  # CapacityOptions.steady_s
     assert cap["cost"]["probes"] >= 1 and cap["requests_per_s"] > 0

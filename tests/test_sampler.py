@@ -77,11 +77,11 @@ def test_config_key_ignores_knobs_switched_off_and_open_knobs_are_never_exhauste
 def test_every_trial_measures_a_new_configuration_until_the_grid_is_exhausted(tmp_path, seed):
     space = grid_space(tmp_path)
     n = 4 * 5 + 4  # the grid: 4 formats x 5 caps, plus the 4 drafts at cap 1
-    order = run(space, make_sampler(seed, n, space), n)
+    order = run(space, make_sampler(seed, space), n)
     assert len(set(order)) == n  # the whole grid, each configuration once
-    plain = run(space, make_sampler(seed, n), n)  # the control: TPE without the space repeats itself
+    plain = run(space, make_sampler(seed), n)  # the control: TPE without the space repeats itself
     assert len(set(plain)) < n
-    more = run(space, make_sampler(seed, n + 3, space), n + 3)  # nothing new left: it repeats, it does not fail
+    more = run(space, make_sampler(seed, space), n + 3)  # nothing new left: it repeats, it does not fail
     assert len(set(more)) == n
 
 
@@ -92,7 +92,7 @@ def test_a_new_study_measures_the_default_then_every_format_at_the_top_batch_cap
                                               "batch_cap: {choices: [1, 2, 4, 8, 16], increasing: true}"))
     orders = []
     for seed in (0, 1):
-        study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(seed, 12, space))
+        study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(seed, space))
         enqueue_start(study, space, seed, 12)
         study.optimize(lambda t: (suggest_config(t, space, "m", "cpu").batch_cap, 0.5), n_trials=6)
         orders.append([(t.params["quant"], t.params["batch_cap"]) for t in study.trials])
@@ -102,7 +102,7 @@ def test_a_new_study_measures_the_default_then_every_format_at_the_top_batch_cap
     assert orders[0][1:5] != orders[1][1:5]  # in the seed's order
     # a small budget: the 4-format sweep does not fit in half of the 8 trials after the default: no sweep at all
     for budget, waiting in ((9, 1 + 4), (8, 1)):
-        study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(0, budget, space))
+        study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(0, space))
         enqueue_start(study, space, 0, budget)
         assert len(study.get_trials(states=(optuna.trial.TrialState.WAITING,))) == waiting
 

@@ -324,7 +324,19 @@ def test_a_pick_that_drops_when_re_measured_hands_over_to_the_next():
                                       "2": {"capacity": attrs(1.8)["capacity"], "metrics": {}}})
     rows = rows_from_study(study)
     assert next_to_confirm(rows) is None  # the first ranked (trial 2 at 1.8) is confirmed: nothing left to do
-    assert "re-measured after the search; 2 req/s in its trial" in answer(rows, NAMES)["recommendation"]["statement"]
+    assert "re-measured after the search; 2 req/s in its trial)" in answer(rows, NAMES)["recommendation"]["statement"]
+    # the host ran the engine twice as fast at the re-measure as in the trial (its canary's steps halved): said, as
+    # the speed of the engine itself, so a re-measured figure that moved with it is read as the host's
+    slow, fast = attrs(2.0), attrs(1.8)["capacity"]
+    slow["capacity"]["canary"], fast["canary"] = {"itl_ms": [200.0, 220.0]}, {"itl_ms": [100.0, 110.0]}
+    study2 = optuna.create_study(directions=["maximize", "maximize"])
+    for a in (attrs(0.5), attrs(3.0), slow):
+        study2.add_trial(optuna.trial.create_trial(values=[a["capacity"]["requests_per_s"], 0.5], user_attrs=a,
+                                                   state=optuna.trial.TrialState.COMPLETE))
+    study2.set_user_attr("confirmed", {"1": {"capacity": again, "metrics": {}}, "2": {"capacity": fast, "metrics": {}}})
+    rec = answer(rows_from_study(study2), NAMES)["recommendation"]
+    assert rec["trial"] == 2 and rec["speed_since_trial"] == pytest.approx(1.0)
+    assert "2 req/s in its trial; the engine's own speed (its canary) +100% since)" in rec["statement"]
 
 
 def test_a_re_measure_that_fails_ranks_the_pick_last_with_a_verdict_of_the_interface(monkeypatch, tmp_path):

@@ -278,7 +278,7 @@ def run_bench(
     spec = options.workload
     warm_n = max(2, config.batch_cap)  # warm-up requests, drawn from the workload after the measured ones
     if options.capacity is not None:  # one fresh prompt per request the capacity search may send, re-timed by it
-        spec = replace(spec, requests=max(spec.requests, options.capacity.pool_size(config.batch_cap)))
+        spec = replace(spec, requests=max(spec.requests, options.capacity.pool_size(config.batch_cap, measurements=2)))
     if spec.trace:
         requests = build_workload(spec, tokenizer)
         warmup = requests[:warm_n]
@@ -302,10 +302,9 @@ def run_bench(
             engine.start()
             out["engine"]["info"] = engine.info()
             if options.capacity is not None:
-                from tuner.capacity import CapacitySearch
+                from tuner.capacity import measure_capacity
 
-                capacity = CapacitySearch(serve, requests, config.batch_cap, options.capacity,
-                                          log=progress_log()).search()
+                capacity = measure_capacity(serve, requests, config.batch_cap, options.capacity, log=progress_log())
                 load = None
             else:
                 out["warmup"] = warm_up(serve, warmup, config.batch_cap)

@@ -70,7 +70,7 @@ def settings_differ(old: dict[str, Any], new: dict[str, Any], prefix: str = "") 
 
 
 # -------------------------------------------------------------------------------------------- sampler --- #
-def make_sampler(seed: int, n_trials: int, space: Any = None) -> Any:
+def make_sampler(seed: int, space: Any = None) -> Any:
     """Seeded multivariate TPE; constraints come from each trial's `set_constraint`; constant liar so parallel
     workers do not pick the same config while one is running; random state re-seeded per trial number. Given the
     search space, it never proposes a configuration the study has already measured (see `NoRepeatTPE`)."""
@@ -320,7 +320,7 @@ def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_tri
     import optuna
 
     storage = open_storage(storage_url, create=not join, read_only=False)
-    sampler = make_sampler(seed, n_trials, ctx.space)
+    sampler = make_sampler(seed, ctx.space)
     if join and name not in optuna.study.get_all_study_names(storage):
         raise TunerError(f"study {name!r} does not exist in {storage_url}: start it with `tuner search --study "
                          f"{name} --storage ...` (a worker only joins an existing study)")

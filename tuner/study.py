@@ -200,6 +200,7 @@ def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, c
         rec["machine_drift"] = {r.number: d for r in (best, base) if r is not None
                                 for d in [((r.capacity or {}).get("machine") or {}).get("drift")]
                                 if d is not None and abs(d) > DRIFT_NOTE}
+        rec["speed_since_trial"] = speed_since_trial(best) if best.trial_capacity is not None else None
         rec["statement"] = statement(best, base, gain)
         out["recommendation"] = rec
         out["runners_up"] = [dict(summary(r), vs_best=tradeoff(r, best)) for r in feasible[1:4]]
@@ -245,8 +246,11 @@ def statement(best: Row, base: Row | None, gain: dict[str, Any]) -> str:
     if best.tok_s:
         text += f" ({best.tok_s:.1f} output tok/s)"
     if best.trial_capacity is not None:
+        moved = speed_since_trial(best)
         text += (f" (re-measured after the search; "
-                 f"{float(best.trial_capacity.get('requests_per_s') or 0):.3g} req/s in its trial)")
+                 f"{float(best.trial_capacity.get('requests_per_s') or 0):.3g} req/s in its trial"
+                 + (f"; the engine's own speed (its canary) {moved:+.0%} since" if moved is not None else "")
+                 + ")")
     if base is not None:
         if gain.get("gain_over_baseline"):
             g_lo, g_hi = gain["gain_ci"]
@@ -255,6 +259,18 @@ def statement(best: Row, base: Row | None, gain: dict[str, Any]) -> str:
         else:
             text += ", where the engine default was shown to meet the SLO at no rate probed"
     return text
+
+
+def speed_since_trial(r: Row) -> float | None:
+    """How much faster the engine ran at the re-measure than in the trial, by their canaries (the same prompt, the
+    same full batch, measured through each: the mean of their inter-token gaps): + = faster now. A capacity that
+    moved with it is the host's speed, not the configuration's (a shared host is slower in its busy hours)."""
+    def step_ms(c: dict[str, Any] | None) -> float | None:
+        ts = [t for t in ((c or {}).get("canary") or {}).get("itl_ms") or [] if t]
+        return sum(ts) / len(ts) if ts else None
+
+    then, now = step_ms(r.trial_capacity), step_ms(r.capacity)
+    return then / now - 1 if then and now else None
 
 
 def _n(v: float | None) -> str:

@@ -236,10 +236,18 @@ def format_capacity(c: dict[str, Any]) -> list[str]:
     cost = c["cost"]
     lines.append(f"  cost: {cost['probes']} probes + warm-up + saturation, {cost['requests']} requests, "
                  f"{cost['wall_s']:.0f} s")
-    tp = (c.get("canary") or {}).get("tpot_ms") or [None, None]
-    if None not in tp:
-        lines.append(f"  engine canary (one prompt, a full batch): TPOT {tp[0]:.1f} ms before, {tp[1]:.1f} after "
-                     f"({c['canary']['drift']:+.0%} speed)")
+    canary = c.get("canary") or {}
+    if canary.get("drift") is not None:
+        steps = ", ".join(f"{_fmt(t)} {at}" for t, at in zip(canary["itl_ms"], canary["at"]))
+        lines.append(f"  engine canary (one prompt, a full batch): ITL p50 ms {steps} (largest move "
+                     f"{canary['drift']:+.0%} speed)")
+    again = c.get("remeasured") or {}
+    for i, a in enumerate(again.get("attempts") or []):
+        d = (a.get("canary") or {}).get("drift")
+        lines.append(f"  measurement {i + 1} of 2: {a['requests_per_s']:.3f} req/s "
+                     f"[{a['requests_per_s_ci'][0]:.3f}, {a['requests_per_s_ci'][1]:.3f}] "
+                     f"({a['verdict']}), canary {'-' if d is None else f'{d:+.0%}'}, {a['wall_s']:.0f} s"
+                     + (" <- reported" if i == again["kept"] else ""))
     bw = (c.get("machine") or {}).get("memory_bandwidth_gbs") or [None, None]
     if None not in bw:
         lines.append(f"  machine: memory bandwidth {bw[0]:.1f} GB/s before, {bw[1]:.1f} after")
