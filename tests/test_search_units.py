@@ -381,8 +381,11 @@ def test_the_answer_says_when_the_machine_moved_under_the_pick_or_the_default():
 
     rows = [row(0, "fp32", 1, 0.5, (0.5, 0.6), 250.0, 0.0), row(1, "bf16", 8, 2.0, (2.0, 2.2), 290.0, 0.8)]
     assert answer(rows, NAMES)["recommendation"]["machine_drift"] == {}  # not measured (or calm): nothing said
-    calm = engine_drift({"tpot_ms": 20.0, "n": 3}, {"tpot_ms": 21.0, "n": 3}, [])
-    slowed = engine_drift({"tpot_ms": 20.0, "n": 3}, {"tpot_ms": 30.0, "n": 3}, [])
+    def canaries(*itl_ms):
+        return [{"at": f"step {i}", "itl_ms": t, "n": 21} for i, t in enumerate(itl_ms)]
+
+    calm = engine_drift(canaries(20.0, 21.0, 20.5), [])
+    slowed = engine_drift(canaries(20.0, 20.0, 30.0), [])  # its last step 1.5x as slow as the others
     rows[0].capacity["machine"] = machine_drift(45.0, 30.0, calm)  # calm under the default (bandwidth aside)
     rows[1].capacity["machine"] = machine_drift(30.0, 31.0, slowed)  # slowed by a third under the pick
     drift = answer(rows, NAMES)["recommendation"]["machine_drift"]
