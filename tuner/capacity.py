@@ -7,9 +7,9 @@ one engine that is already started:
    so every slot and the largest batch shape have run before anything is timed. Errors are surfaced; the warm-up is
    excluded from every statistic.
 2. **Canary**: one fixed prompt, a batch cap's worth of copies sent together (at least `CANARY_RUNS`; median
-   inter-token gap), here and again after the saturation probe and after every rate probe: the engine's own speed at a full
-   batch through the measurement, so a capacity measured while the host or the device changed under it is said
-   (`canary.drift`, the largest move from their median; a note past 10%).
+   inter-token gap), here and again after the saturation probe and after every rate probe: the engine's own speed
+   at a full batch through the measurement, so a capacity measured while the host or the device changed under it
+   is said (`canary.drift`, the largest move from their median; a note past 10%).
 3. **Saturation probe**: a closed loop keeping more than `batch_cap` requests in flight (so the engine never
    idles), whose steady-state completion rate bounds the sustainable rate from above (an open-loop arrival rate
    above the service rate makes the queue grow without bound). Steady state: after the first fill has completed
@@ -250,8 +250,8 @@ class CapacitySearch:
         max(batch cap, `CANARY_RUNS`) copies of one fixed prompt (the warm-up's first, at most `CANARY_TOKENS` out),
         sent together at the batch cap (one at a time at cap 1) to the idle engine, so each decoding step is as wide
         as the capacity's: the median gap is one decoding step; the few gaps that waited for another copy's prefill
-        are left in the tail (a median TPOT of 16 tokens carried them: it moved +-10% on a quiet host). Measured before the
-        saturation probe and after it and every rate probe: a capacity measured while the engine itself sped up or
+        are left in the tail (a median TPOT of 16 tokens carried them: it moved 13-20% on a quiet host). Measured
+        before the saturation probe and after it and every rate probe: a capacity measured while the engine itself sped up or
         slowed down (another tenant on the host, a throttled device) differs from a re-measure by about as much,
         whatever the configuration. (A single request alone was tried first: a neighbour taking one of 2 cores cut
         the capacity at cap 16 by 30% and that request's TPOT by 3-12%. Before and after alone missed a neighbour
@@ -494,15 +494,15 @@ def measure_capacity(run: Callable[..., Any], pool: Sequence[Request], batch_cap
 FIRST_PROBE = 0.75  # the first rate probed, as a share of the saturation rate
 MIN_STEADY = 8  # completions the saturation's steady window needs even on a slow engine
 DRIFT_NOTE = 0.10  # a move of the engine's own speed during one measurement worth saying
-CANARY_RUNS = 3  # requests per canary at least (their median TPOT); the batch cap's worth on wider engines
-CANARY_TOKENS = 16  # output tokens per canary request at most (15 gaps per TPOT; a canary runs after every step)
+CANARY_RUNS = 3  # requests per canary at least (their gaps pooled); the batch cap's worth on wider engines
+CANARY_TOKENS = 16  # output tokens per canary request at most (15 gaps each; a canary runs after every step)
 
 
 def engine_drift(canaries: list[dict[str, Any]], notes: list[str]) -> dict[str, Any]:
     """The canaries of one measurement (`CapacitySearch.canary`, in order), with `drift` = the largest move of the
     engine's speed from its median over the measurement (median ITL / that ITL - 1: negative = slower then) and a
     note when it moved by more than `DRIFT_NOTE`. (The first canary as the reference carried its own noise into
-    every comparison: moves of 8-9% on a quiet host, against 3-8% from the median.)"""
+    every comparison: three quiet runs moved 8, 9 and 14% from their first canary, 7, 6 and 11% from the median.)"""
     out: dict[str, Any] = {"itl_ms": [c["itl_ms"] for c in canaries], "n": [c["n"] for c in canaries],
                            "at": [c["at"] for c in canaries], "drift": None}
     steps = [c["itl_ms"] for c in canaries if c["itl_ms"]]

@@ -200,7 +200,7 @@ def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, c
         rec["machine_drift"] = {r.number: d for r in (best, base) if r is not None
                                 for d in [((r.capacity or {}).get("machine") or {}).get("drift")]
                                 if d is not None and abs(d) > DRIFT_NOTE}
-        rec["speed_since_trial"] = speed_since_trial(best) if best.trial_capacity is not None else None
+        rec["speed_since_trial"] = speed_since_trial(best)  # None unless re-measured, with canaries both times
         rec["statement"] = statement(best, base, gain)
         out["recommendation"] = rec
         out["runners_up"] = [dict(summary(r), vs_best=tradeoff(r, best)) for r in feasible[1:4]]
