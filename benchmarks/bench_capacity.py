@@ -72,7 +72,7 @@ def measure(cfg: tuple, args: argparse.Namespace) -> dict:
             "requests": cap_["cost"]["requests"], "wall_s": wall, "notes": cap_["notes"], "gflops": gflops,
             "bandwidth_gbs": bw, "canary": cap_.get("canary") or {},
             "rates": [(p["rate_rps"], p["n"], p["verdict"]) for p in cap_["probes"]],
-            "remeasured": cap_.get("remeasured")}
+            "remeasured": cap_.get("remeasured"), "host": cap_.get("host") or {}}
 
 
 NEIGHBOUR = "import numpy as np\na = np.ones(2**25)\nb = np.empty_like(a)\nwhile True:\n    np.copyto(b, a)\n"
@@ -110,17 +110,27 @@ def show(r: dict) -> str:
     return (f"  {name:<36} {r['requests_per_s']:.3f} req/s [{lo:.3f}, {hi:.3f}] {r['verdict']:<13} "
             f"sat {r['saturation_rps']:.3f}  {r['probes']} probes, {r['requests']} req, {r['wall_s']:.0f} s; "
             f"machine {r['gflops']:.0f} GFLOP/s before, memory {r['bandwidth_gbs'][0]:.1f} -> "
-            f"{r['bandwidth_gbs'][1]:.1f} GB/s; {canary(r)}" + remeasured(r))
+            f"{r['bandwidth_gbs'][1]:.1f} GB/s; {canary(r)}; {host(r)}" + remeasured(r))
 
 
 def remeasured(r: dict) -> str:
-    """The run measured twice (its canary moved past 10% in the first): both figures, which one it reported."""
+    """The run measured twice (its canary moved or its host was busy past 10% in the first): both figures, under
+    which conditions, which one it reported."""
+    from tuner.capacity import describe_conditions
+
     again = r.get("remeasured")
     if not again:
         return ""
-    parts = [f"{a['requests_per_s']:.3f} (canary {a['canary']['drift']:+.0%})" if a["canary"].get("drift") is not None
-             else f"{a['requests_per_s']:.3f}" for a in again["attempts"]]
+    parts = [f"{a['requests_per_s']:.3f} ({describe_conditions(a)})" for a in again["attempts"]]
     return f"; measured twice: {' then '.join(parts)}, reported #{again['kept'] + 1}"
+
+
+def host(r: dict) -> str:
+    h = r.get("host") or {}
+    if not h.get("busiest"):
+        return "host -"
+    return (f"host: others {h['others_share']:.0%}, steal {h['steal_share']:.0%} (busiest {h['busiest']['step']}: "
+            f"{h['busiest']['others_share'] + h['busiest']['steal_share']:.0%})")
 
 
 def canary(r: dict) -> str:
@@ -131,11 +141,11 @@ def canary(r: dict) -> str:
 
 
 def steady(r: dict) -> bool:
-    """The run's engine canary held within tuner.capacity.DRIFT_NOTE: no note of a moved engine."""
-    from tuner.capacity import DRIFT_NOTE
+    """The run's conditions held: its engine canary within tuner.capacity.DRIFT_NOTE and its host not busy (no
+    note of a moved engine or a busy host, tuner.capacity.disturbed)."""
+    from tuner.capacity import disturbed
 
-    d = (r.get("canary") or {}).get("drift")
-    return d is not None and abs(d) <= DRIFT_NOTE
+    return r.get("canary", {}).get("drift") is not None and disturbed(r) is None
 
 
 def report_gain(runs: list[dict], base: dict) -> dict:
@@ -209,12 +219,12 @@ def main() -> int:
         out["repeatability_percent"] = spread
         print(f"(b) repeatability over {len(ok)} runs: median {med:.3f} req/s, deviations "
               + ", ".join(f"{s:+.1f}%" for s in spread) + " (goal within +-10%)")
-        # which runs the tool itself flagged: the engine canary moved > 10% under them (their notes say a
-        # re-measure may differ by as much); the spread of the others is what an unflagged figure is worth
+        # which runs the tool itself flagged: the engine canary moved or the host was busy > 10% under them (their
+        # notes say a re-measure may differ by as much); the spread of the others is what an unflagged figure is worth
         flagged = [i + 1 for i, r in enumerate(runs) if "error" not in r and not steady(r)]  # as printed above
         calm = [r["requests_per_s"] for r in runs if "error" not in r and steady(r)]
         out["flagged_runs"] = flagged
-        print(f"    runs the engine canary flagged (moved > 10%): {flagged or 'none'}")
+        print(f"    runs the tool flagged (canary moved or host busy > 10%): {flagged or 'none'}")
         if len(calm) >= 2 and flagged:
             med_calm = statistics.median(calm)
             out["unflagged_percent"] = [100 * (x - med_calm) / med_calm for x in calm]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.fake_engine import FakeEngine
@@ -195,6 +197,37 @@ def test_an_engine_that_moved_under_the_measurement_is_measured_again():
     short, measurements = measure(neighbour=True, max_wall_s=first["wall_s"] * 1.5)
     assert measurements == 1 and "remeasured" not in short
     assert any(n.startswith("not re-measured") for n in short["notes"])
+
+
+def test_a_neighbour_present_throughout_the_measurement_is_seen_and_measured_again():
+    """A neighbour process outside this process's tree spins a quarter of the host's CPUs from before the first
+    measurement to its end, then leaves (stopped when `measure_capacity` says it measures again). The fake engine's
+    speed does not change, so its canary cannot see the neighbour (as one present from start to end); the host's CPU
+    accounting does: the first measurement says the host was busy, a second one is measured and reported, its host
+    quiet."""
+    from tests.neighbour import neighbour, spinners
+    from tuner.capacity import measure_capacity
+    from tuner.host import HOST_BUSY, busy_share
+
+    slo = SLO(tuple(parse_slo("e2e:p90<200ms")))
+    engine = FakeEngine(servers=2, prefill_s=0.02, token_s=0.01)
+    engine.start()
+    try:
+        def run(reqs, concurrency, timeout_s, should_stop):
+            return run_load(engine, reqs, concurrency, timeout_s, should_stop, progress=False)
+
+        opts = CapacityOptions(slo=slo, probe_requests=(30, 60), arrival="constant")
+        with neighbour() as stop:
+            cap = measure_capacity(run, pool(opts.pool_size(2, measurements=2)), 2, opts,
+                                   log=lambda line: stop() if "measuring again" in line else None)
+    finally:
+        engine.stop(drain=False)
+    first, second = cap["remeasured"]["attempts"]
+    assert first["host"]["others_share"] > 0.7 * spinners() / os.cpu_count()  # the whole measurement
+    assert busy_share(second["host"]["busiest"]) < HOST_BUSY
+    assert cap["remeasured"]["kept"] == 1 and cap["host"] == second["host"]
+    assert cap["notes"][0].startswith("measured twice: ")
+    assert any(n.startswith("the host was busy during") for n in first["notes"])
 
 
 def test_a_slow_engine_leaves_budget_for_the_rate_probes():

@@ -390,3 +390,29 @@ def test_the_answer_says_when_the_machine_moved_under_the_pick_or_the_default():
     rows[1].capacity["machine"] = machine_drift(30.0, 31.0, slowed)  # slowed by a third under the pick
     drift = answer(rows, NAMES)["recommendation"]["machine_drift"]
     assert list(drift) == [1] and drift[1] == pytest.approx(-1 / 3)
+
+
+def test_the_answer_says_when_the_host_was_busy_under_the_pick():
+    """The host's CPU accounting of two real windows: a quiet one under the default's measurement, one with a
+    neighbour process under the pick's: the answer names the pick's trial and its busiest step, not the default's."""
+    import time
+
+    from tests.neighbour import neighbour
+    from tuner.host import load_by_step, snapshot
+
+    def measured(busy: bool) -> dict:
+        marks = [("", snapshot())]
+        if busy:
+            with neighbour():
+                time.sleep(1.5)
+                marks.append(("the saturation probe", snapshot()))
+        else:
+            time.sleep(1.5)
+            marks.append(("the saturation probe", snapshot()))
+        return load_by_step(marks, [])
+
+    rows = [row(0, "fp32", 1, 0.5, (0.5, 0.6), 250.0, 0.0), row(1, "bf16", 8, 2.0, (2.0, 2.2), 290.0, 0.8)]
+    rows[0].capacity["host"] = measured(busy=False)
+    rows[1].capacity["host"] = measured(busy=True)
+    busy = answer(rows, NAMES)["recommendation"]["host_busy"]
+    assert list(busy) == [1] and busy[1]["step"] == "the saturation probe"

@@ -31,18 +31,23 @@ one engine that is already started:
    alone repeats its prompt, on purpose: the same request before and after.)
 7. A probe stops early only when its verdict can no longer be anything but `misses` (every request still to
    finish counted as meeting the SLO): an exceeded bound is exceeded with confidence before the probe is cut.
-8. **Measured again when the engine moved** (`measure_capacity`): a canary drift past 10% (a neighbour came or
-   went on a shared host) gets a second measurement on fresh prompts when the budget holds one; the steadier of
-   the two is reported, both are kept (`remeasured`).
+8. **The host's other load** (tuner.host): the CPU the host's other processes and its hypervisor took during
+   each step (`host`: the canary cannot see a neighbour present from start to end; the CPU accounting can), said
+   past 10%.
+9. **Measured again when the conditions moved** (`measure_capacity`): a canary drift or a busy host past 10% gets
+   a second measurement on fresh prompts when the budget holds one; the steadier of the two is reported, both are
+   kept (`remeasured`).
 
 Result (`metrics.capacity` of `tuner bench --capacity`, one trial's measure in `tuner search`):
 `{requests_per_s, requests_per_s_ci: [low, high], output_tokens_per_s, goodput_requests_per_s, verdict, slo,
-warmup, canary: {itl_ms: [start, after saturation, after each probe], n, at, drift}, saturation, probes:
+warmup, canary: {itl_ms: [start, after saturation, after each probe], n, at, drift}, host: {cpus, others_share,
+steal_share, own_share, busiest: {step, others_share, steal_share}, steps: [...]}, saturation, probes:
 [{rate_rps, n, ..., verdict}], cost: {requests, probes, wall_s}, notes, remeasured (when measured twice): {kept,
 attempts: [{requests_per_s, canary, ...}]}}`, and from tuner.bench `machine: {memory_bandwidth_gbs: [before,
 after] (CPU), drift}` (drift: the canary's).
 `requests_per_s` is the highest probed rate shown to meet the SLO (0 when none); the interval runs from it to the
-lowest rate above it not shown to meet (or the saturation rate): each end decided at the SLO's confidence.
+lowest rate above it shown to miss (or the saturation rate): each end decided at the SLO's confidence (a rate that
+stayed indeterminate ends the search's bracket but not the interval).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tuner.host import HOST_BUSY, Snapshot, busy_share, load_by_step, snapshot
 from tuner.metrics import RequestResult, compute_metrics, meets_slo
 from tuner.stats import (
     INDETERMINATE,
@@ -223,6 +229,10 @@ class CapacitySearch:
         self.results_at: dict[float, list[RequestResult]] = {}
         self.cursor = start  # prompts of the pool already sent (a re-measure starts past the first measurement's)
         self.canaries: list[dict[str, Any]] = []
+        self.marks: list[tuple[str, Snapshot]] = []  # the host's CPU accounting at the end of each step
+
+    def mark(self, step: str) -> None:
+        self.marks.append((step, snapshot()))
 
     def take(self, n: int) -> list[Request]:
         """The next `n` unused prompts; past the end of the pool (a short trace) prompts repeat, said once."""
@@ -256,6 +266,7 @@ class CapacitySearch:
         whatever the configuration. (A single request alone was tried first: a neighbour taking one of 2 cores cut
         the capacity at cap 16 by 30% and that request's TPOT by 3-12%. Before and after alone missed a neighbour
         that came during the saturation probe and left before the end: capacity -36%, canary -1%.)"""
+        self.mark("the warm-up" if at == "start" else at.removeprefix("after "))
         prompt = replace(self.pool[0], max_tokens=min(self.pool[0].max_tokens, CANARY_TOKENS))
         reqs = with_arrivals([prompt] * max(self.cap, CANARY_RUNS), None, self.o.arrival, self.o.seed)
         load = self.run(reqs, concurrency=self.cap, timeout_s=self.o.max_wall_s, should_stop=None)
@@ -387,6 +398,7 @@ class CapacitySearch:
                 f"{', '.join(hard)} needs at least {need} requests per probe for a 'meets' at "
                 f"{o.slo.confidence:.0%} confidence, but a probe may use {o.probe_requests[1]}: no rate can be shown "
                 f"to meet it. Raise --probe-requests to {need} or more, or judge a lower percentile / attainment.")
+        self.mark("")
         warm = self.warm_up()
         if warm["failed"] == warm["n"]:
             raise RuntimeError(f"every warm-up request failed: {warm['errors'][0] if warm['errors'] else '?'}")
@@ -423,6 +435,8 @@ class CapacitySearch:
                 self.notes.append(f"capacity budget spent ({self.requests_used} requests, "
                                   f"{time.monotonic() - self.t0:.0f} s): the bracket is wider than {o.tolerance:.0%}")
         canary = engine_drift(self.canaries, self.notes)
+        self.mark("the last canary")
+        host = load_by_step(self.marks, self.notes)
         if low_probe is not None:
             verdict = MEETS
         elif self.probes and all(p["verdict"] == MISSES for p in self.probes):
@@ -432,14 +446,18 @@ class CapacitySearch:
         if verdict == MISSES:
             self.notes.append(f"the SLO is missed with confidence even at {min(p['rate_rps'] for p in self.probes):.3g}"
                               " req/s, the lowest rate probed")
+        # the interval's upper end is decided too: the lowest rate above `low` shown to miss (an indeterminate rate,
+        # which lowered the bracket, may still be sustainable), or the saturation rate
+        missed = [p["rate_rps"] for p in self.probes if p["verdict"] == MISSES and p["rate_rps"] > low]
         out.update({
             "requests_per_s": low,
-            "requests_per_s_ci": [low, high],
+            "requests_per_s_ci": [low, min(missed, default=sat["requests_per_s"])],
             "output_tokens_per_s": low_probe["output_tokens_per_s"] if low_probe else None,
             "goodput_requests_per_s": low_probe.get("goodput_requests_per_s") if low_probe else None,
             "verdict": verdict,
             "slo": o.slo.to_dict(),
             "canary": canary,
+            "host": host,
             "probes": sorted(self.probes, key=lambda p: p["rate_rps"]),
             "cost": {"requests": self.requests_used, "probes": len(self.probes),
                      "wall_s": time.monotonic() - self.t0},
@@ -454,17 +472,19 @@ class CapacitySearch:
 
 def measure_capacity(run: Callable[..., Any], pool: Sequence[Request], batch_cap: int, options: CapacityOptions,
                      log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """`CapacitySearch.search()`, measured again once when its canary says the engine's own speed moved by more than
-    `DRIFT_NOTE` under it (a neighbour arrived or left on a shared host, a device throttled) and what is left of
-    `max_wall_s` holds a second measurement as long as the first: more evidence instead of a figure known to be off.
-    The re-measure sends the next unused prompts of `pool` (size it with `pool_size(cap, measurements=2)`); its
-    canary is the same prompt as the first's. The figure kept is the attempt whose engine held steadiest (the
-    smallest |drift|), and `remeasured` lists both; `cost` counts both."""
+    """`CapacitySearch.search()`, measured again once when the conditions moved under it -- its canary says the
+    engine's own speed moved by more than `DRIFT_NOTE` (a neighbour arrived or left, a device throttled), or other
+    processes and the hypervisor took more than `HOST_BUSY` of the host during a step (a neighbour present
+    throughout, which no canary sees) -- and what is left of `max_wall_s` holds a second measurement as long as the
+    first: more evidence instead of a figure known to be off. The re-measure sends the next unused prompts of
+    `pool` (size it with `pool_size(cap, measurements=2)`); its canary is the same prompt as the first's. The
+    figure kept is the attempt measured under the steadiest conditions (the smallest `disturbance`), and
+    `remeasured` lists both; `cost` counts both."""
     log = log or (lambda s: None)
     first = CapacitySearch(run, pool, batch_cap, options, log)
     result = first.search()
-    drift = result["canary"]["drift"]
-    if drift is None or abs(drift) <= DRIFT_NOTE:
+    why = disturbed(result)
+    if why is None:
         return result
     spent = result["cost"]["wall_s"]
     left = options.max_wall_s - spent
@@ -472,23 +492,49 @@ def measure_capacity(run: Callable[..., Any], pool: Sequence[Request], batch_cap
         result["notes"].append(f"not re-measured: {max(left, 0):.0f} s of the capacity budget left, the measurement "
                                f"took {spent:.0f} s (a longer --capacity-timeout re-measures a moved engine)")
         return result
-    log(f"the engine's speed moved {drift:+.0%} during the measurement: measuring again")
+    log(f"{why} during the measurement: measuring again")
     again = CapacitySearch(run, pool, batch_cap, replace(options, max_wall_s=left), log, start=first.cursor).search()
     attempts = [result, again]
-    steadiness = [abs(a["canary"]["drift"]) if a["canary"]["drift"] is not None else math.inf for a in attempts]
-    k = min(range(2), key=lambda i: steadiness[i])
+    k = min(range(2), key=lambda i: disturbance(attempts[i]))
     kept = attempts[k]
     kept["notes"].insert(0, (
-        f"measured twice: the engine's speed moved {drift:+.0%} under the first measurement "
-        f"({result['requests_per_s']:.3g} req/s); the {('first', 'second')[k]}'s, whose speed held best "
-        f"({kept['canary']['drift']:+.0%}), is reported"))
+        f"measured twice: {why} under the first measurement ({result['requests_per_s']:.3g} req/s); the "
+        f"{('first', 'second')[k]}'s, measured under the steadiest conditions ({describe_conditions(kept)}), "
+        "is reported"))
     kept["remeasured"] = {"kept": k, "attempts": [
         {"requests_per_s": a["requests_per_s"], "requests_per_s_ci": a["requests_per_s_ci"], "verdict": a["verdict"],
-         "canary": a["canary"], "saturation_rps": a["saturation"]["requests_per_s"], "probes": a["cost"]["probes"],
-         "requests": a["cost"]["requests"], "wall_s": a["cost"]["wall_s"],
+         "canary": a["canary"], "host": a["host"], "saturation_rps": a["saturation"]["requests_per_s"],
+         "probes": a["cost"]["probes"], "requests": a["cost"]["requests"], "wall_s": a["cost"]["wall_s"],
          "notes": a["notes"] if a is not kept else []} for a in attempts]}
     kept["cost"] = {key: result["cost"][key] + again["cost"][key] for key in ("requests", "probes", "wall_s")}
     return kept
+
+
+def disturbance(result: dict[str, Any]) -> float:
+    """How far a measurement's conditions moved: its canary's |drift| plus the busiest step's share of the host
+    taken by other processes and the hypervisor (a sum: two measurements under one neighbour that stayed are told
+    apart by their canaries; infinite without a canary figure: nothing says the engine held)."""
+    drift = result["canary"]["drift"]
+    busiest = (result.get("host") or {}).get("busiest")
+    return (math.inf if drift is None else abs(drift)) + (busy_share(busiest) if busiest else 0.0)
+
+
+def disturbed(result: dict[str, Any]) -> str | None:
+    """Why a measurement deserves a second one, or None."""
+    drift = result["canary"]["drift"]
+    busiest = (result.get("host") or {}).get("busiest")
+    if drift is not None and abs(drift) > DRIFT_NOTE:
+        return f"the engine's speed moved {drift:+.0%}"
+    if busiest and busy_share(busiest) > HOST_BUSY:
+        return f"the host was busy ({busy_share(busiest):.0%} taken by others during {busiest['step']})"
+    return None
+
+
+def describe_conditions(result: dict[str, Any]) -> str:
+    drift = result["canary"]["drift"]
+    busiest = (result.get("host") or {}).get("busiest")
+    return ", ".join([f"canary {'-' if drift is None else f'{drift:+.0%}'}"]
+                     + ([f"host {busy_share(busiest):.0%} busy at most"] if busiest else []))
 
 
 FIRST_PROBE = 0.75  # the first rate probed, as a share of the saturation rate

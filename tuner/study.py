@@ -18,6 +18,7 @@ from typing import Any
 from tuner.capacity import DRIFT_NOTE
 from tuner.config import ENGINE_KNOBS
 from tuner.errors import TunerError
+from tuner.host import HOST_BUSY, busy_share
 
 DEFAULT_STORAGE = "sqlite:///results/tuner.db"
 
@@ -200,6 +201,9 @@ def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, c
         rec["machine_drift"] = {r.number: d for r in (best, base) if r is not None
                                 for d in [((r.capacity or {}).get("machine") or {}).get("drift")]
                                 if d is not None and abs(d) > DRIFT_NOTE}
+        rec["host_busy"] = {r.number: b for r in (best, base) if r is not None
+                            for b in [((r.capacity or {}).get("host") or {}).get("busiest")]
+                            if b and busy_share(b) > HOST_BUSY}
         rec["speed_since_trial"] = speed_since_trial(best)  # None unless re-measured, with canaries both times
         rec["statement"] = statement(best, base, gain)
         out["recommendation"] = rec

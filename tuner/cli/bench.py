@@ -209,6 +209,8 @@ def capacity_has_point(c: dict[str, Any]) -> bool:
 
 
 def format_capacity(c: dict[str, Any]) -> list[str]:
+    from tuner.capacity import describe_conditions
+
     lo, hi = c["requests_per_s_ci"]
     slo = c["slo"]
     terms = list(slo["bounds"])
@@ -241,12 +243,17 @@ def format_capacity(c: dict[str, Any]) -> list[str]:
         steps = ", ".join(f"{_fmt(t)} {at}" for t, at in zip(canary["itl_ms"], canary["at"]))
         lines.append(f"  engine canary (one prompt, a full batch): ITL p50 ms {steps} (largest move "
                      f"{canary['drift']:+.0%} speed)")
+    host = c.get("host") or {}
+    if host.get("busiest"):
+        b = host["busiest"]
+        lines.append(f"  host ({host['cpus']} CPUs): other processes took {host['others_share']:.0%}, the hypervisor "
+                     f"{host['steal_share']:.0%}, this measurement {host['own_share']:.0%} (busiest: {b['step']}, "
+                     f"{b['others_share']:.0%} and {b['steal_share']:.0%})")
     again = c.get("remeasured") or {}
     for i, a in enumerate(again.get("attempts") or []):
-        d = (a.get("canary") or {}).get("drift")
         lines.append(f"  measurement {i + 1} of 2: {a['requests_per_s']:.3f} req/s "
                      f"[{a['requests_per_s_ci'][0]:.3f}, {a['requests_per_s_ci'][1]:.3f}] "
-                     f"({a['verdict']}), canary {'-' if d is None else f'{d:+.0%}'}, {a['wall_s']:.0f} s"
+                     f"({a['verdict']}), {describe_conditions(a)}, {a['wall_s']:.0f} s"
                      + (" <- reported" if i == again["kept"] else ""))
     bw = (c.get("machine") or {}).get("memory_bandwidth_gbs") or [None, None]
     if None not in bw:

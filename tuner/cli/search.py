@@ -349,6 +349,10 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
         for number, drift in (rec.get("machine_drift") or {}).items():
             lines.append(f"  machine: the engine's own speed moved {drift:+.0%} while trial {number} was measured "
                          "(its canary; a shared host): its figure, and the gain, can be off by about as much")
+        for number, b in (rec.get("host_busy") or {}).items():
+            lines.append(f"  machine: the host was busy while trial {number} was measured (other processes took "
+                         f"{b['others_share']:.0%} of its CPUs, the hypervisor {b['steal_share']:.0%}, during "
+                         f"{b['step']}): its figure is this host's under that load")
         if rec.get("indistinguishable_from"):
             lines.append(f"  not distinguishable from trial(s) {', '.join(map(str, rec['indistinguishable_from']))}"
                          " (capacity intervals overlap): measure longer to separate them")
