@@ -126,11 +126,13 @@ def remeasured(r: dict) -> str:
 
 
 def host(r: dict) -> str:
+    from tuner.host import busy_share
+
     h = r.get("host") or {}
     if not h.get("busiest"):
         return "host -"
     return (f"host: others {h['others_share']:.0%}, steal {h['steal_share']:.0%} (busiest {h['busiest']['step']}: "
-            f"{h['busiest']['others_share'] + h['busiest']['steal_share']:.0%})")
+            f"{busy_share(h['busiest']):.0%})")
 
 
 def canary(r: dict) -> str:

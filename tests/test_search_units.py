@@ -395,6 +395,7 @@ def test_the_answer_says_when_the_machine_moved_under_the_pick_or_the_default():
 def test_the_answer_says_when_the_host_was_busy_under_the_pick():
     """The host's CPU accounting of two real windows: a quiet one under the default's measurement, one with a
     neighbour process under the pick's: the answer names the pick's trial and its busiest step, not the default's."""
+    import contextlib
     import time
 
     from tests.neighbour import neighbour
@@ -402,11 +403,7 @@ def test_the_answer_says_when_the_host_was_busy_under_the_pick():
 
     def measured(busy: bool) -> dict:
         marks = [("", snapshot())]
-        if busy:
-            with neighbour():
-                time.sleep(1.5)
-                marks.append(("the saturation probe", snapshot()))
-        else:
+        with neighbour() if busy else contextlib.nullcontext():
             time.sleep(1.5)
             marks.append(("the saturation probe", snapshot()))
         return load_by_step(marks, [])

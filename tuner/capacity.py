@@ -510,31 +510,35 @@ def measure_capacity(run: Callable[..., Any], pool: Sequence[Request], batch_cap
     return kept
 
 
-def disturbance(result: dict[str, Any]) -> float:
-    """How far a measurement's conditions moved: its canary's |drift| plus the busiest step's share of the host
-    taken by other processes and the hypervisor (a sum: two measurements under one neighbour that stayed are told
-    apart by their canaries; infinite without a canary figure: nothing says the engine held)."""
-    drift = result["canary"]["drift"]
+def conditions(result: dict[str, Any]) -> tuple[float | None, float | None]:
+    """A measurement's conditions: its canary's drift and the busiest step's share of the host taken by other
+    processes and the hypervisor (None where not measured)."""
     busiest = (result.get("host") or {}).get("busiest")
-    return (math.inf if drift is None else abs(drift)) + (busy_share(busiest) if busiest else 0.0)
+    return result["canary"]["drift"], busy_share(busiest) if busiest else None
+
+
+def disturbance(result: dict[str, Any]) -> float:
+    """How far a measurement's conditions moved: its canary's |drift| plus its busiest step's host share (a sum:
+    two measurements under one neighbour that stayed are told apart by their canaries; infinite without a canary
+    figure: nothing says the engine held)."""
+    drift, busy = conditions(result)
+    return (math.inf if drift is None else abs(drift)) + (busy or 0.0)
 
 
 def disturbed(result: dict[str, Any]) -> str | None:
     """Why a measurement deserves a second one, or None."""
-    drift = result["canary"]["drift"]
-    busiest = (result.get("host") or {}).get("busiest")
+    drift, busy = conditions(result)
     if drift is not None and abs(drift) > DRIFT_NOTE:
         return f"the engine's speed moved {drift:+.0%}"
-    if busiest and busy_share(busiest) > HOST_BUSY:
-        return f"the host was busy ({busy_share(busiest):.0%} taken by others during {busiest['step']})"
+    if busy is not None and busy > HOST_BUSY:
+        return f"the host was busy ({busy:.0%} taken by others during {result['host']['busiest']['step']})"
     return None
 
 
 def describe_conditions(result: dict[str, Any]) -> str:
-    drift = result["canary"]["drift"]
-    busiest = (result.get("host") or {}).get("busiest")
+    drift, busy = conditions(result)
     return ", ".join([f"canary {'-' if drift is None else f'{drift:+.0%}'}"]
-                     + ([f"host {busy_share(busiest):.0%} busy at most"] if busiest else []))
+                     + ([f"host {busy:.0%} busy at most"] if busy is not None else []))
 
 
 FIRST_PROBE = 0.75  # the first rate probed, as a share of the saturation rate

@@ -55,8 +55,8 @@ def host_load(before: Snapshot, after: Snapshot) -> dict[str, Any]:
     """Shares of the host's CPU capacity (wall time x CPUs) between two snapshots: `others_share` went to processes
     outside this tree, `steal_share` to the hypervisor, `own_share` to this tree (the harness and the engine).
     A descendant that ended in between without being waited for by this process takes its CPU time with it
-    (counted as the others'): the shares are for windows in which the engine keeps running. Shares are clipped at 0 (the host's counters tick at 10 ms,
-    the processes' more finely)."""
+    (counted as the others'): the shares are for windows in which the engine keeps running. Shares are clipped at 0
+    (the host's counters tick at 10 ms, the processes' more finely)."""
     cpus = os.cpu_count() or 1
     capacity_s = max(after.t - before.t, 1e-9) * cpus
     own = sum(max(s - before.own_s.get(pid, 0.0), 0.0) for pid, s in after.own_s.items())
