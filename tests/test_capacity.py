@@ -242,3 +242,32 @@ def test_a_slow_engine_leaves_budget_for_the_rate_probes():
     steady = cap["saturation"]["steady"]
     assert steady["completions"] >= MIN_STEADY and steady["seconds"] < 10.0  # CapacityOptions.steady_s
     assert cap["cost"]["probes"] >= 1 and cap["requests_per_s"] > 0
+
+
+def test_an_indeterminate_rate_ends_the_bracket_but_not_the_interval():
+    """The search's steps are faked (a harness test): saturation at 2 req/s, rates below 1.0 meet, 1.0 to 1.4 stay
+    indeterminate, 1.4 and above miss. The bracket closes in below the indeterminate rates, but the capacity's
+    interval runs to the lowest rate shown to miss (1.5, the first probe): an undecided rate is no upper bound."""
+
+    class Scripted(CapacitySearch):
+        def warm_up(self):
+            return {"n": 2, "concurrency": 2, "failed": 0, "errors": [], "duration_s": 0.0}
+
+        def canary(self, at):
+            self.canaries.append({"at": at, "itl_ms": 10.0, "n": 21, "duration_s": 0.0})
+
+        def saturate(self):
+            return {"concurrency": 3, "n": 40, "requests_per_s": 2.0, "completed": 40, "errors": []}
+
+        def probe(self, rate):
+            verdict = "meets" if rate < 1.0 else "indeterminate" if rate < 1.4 else "misses"
+            p = {"rate_rps": rate, "n": 30, "verdict": verdict, "output_tokens_per_s": 8.0 * rate}
+            self.probes.append(p)
+            return p
+
+    opts = CapacityOptions(slo=SLO(tuple(parse_slo("e2e:p90<200ms"))), probe_requests=(30, 60))
+    cap = Scripted(lambda *a, **k: None, pool(10), 2, opts).search()
+    rates = {p["rate_rps"]: p["verdict"] for p in cap["probes"]}
+    assert rates[1.5] == "misses" and any(v == "indeterminate" for v in rates.values())
+    assert cap["requests_per_s"] == max(r for r, v in rates.items() if v == "meets")
+    assert cap["requests_per_s_ci"] == [cap["requests_per_s"], 1.5]
