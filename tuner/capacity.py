@@ -218,12 +218,14 @@ class CapacitySearch:
     a function that serves a list of requests on the started engine and returns a tuner.loadgen.LoadResult."""
 
     def __init__(self, run: Callable[..., Any], pool: Sequence[Request], batch_cap: int, options: CapacityOptions,
-                 log: Callable[[str], None] | None = None, start: int = 0) -> None:
+                 log: Callable[[str], None] | None = None, start: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.run, self.pool, self.cap, self.o = run, list(pool), batch_cap, options
         self.log = log or (lambda s: None)
+        self.clock = clock  # seconds; a simulated engine (tuner.predict) passes its virtual clock
         self.requests_used = 0
         self.probe_requests_used = 0  # the rate probes' share, which `max_requests` caps
-        self.t0 = time.monotonic()
+        self.t0 = self.clock()
         self.notes: list[str] = []
         self.probes: list[dict[str, Any]] = []
         self.results_at: dict[float, list[RequestResult]] = {}
@@ -300,7 +302,7 @@ class CapacitySearch:
             if len(ends) - c >= MIN_STEADY:
                 rate = (len(ends) - c) / max(ends[-1] - ends[c - 1], 1e-9)
                 # then: the requests in flight, a canary, the first rate probe and its canary
-                if (time.monotonic() - self.t0 + c / rate + 2 * self.canary_s() + self.first_probe_s(rate)
+                if (self.clock() - self.t0 + c / rate + 2 * self.canary_s() + self.first_probe_s(rate)
                         >= self.o.max_wall_s):
                     return (f"the first rate probe's budget reached: {len(ends) - c} completions over "
                             f"{ends[-1] - ends[c - 1]:.1f} s")
@@ -379,7 +381,7 @@ class CapacitySearch:
         return self.o.probe_requests[0] / (FIRST_PROBE * saturation_rps)
 
     def out_of_budget(self, next_probe_s: float = 0.0) -> bool:
-        left = self.o.max_wall_s - (time.monotonic() - self.t0)
+        left = self.o.max_wall_s - (self.clock() - self.t0)
         return self.probe_requests_used >= self.o.max_requests or left <= next_probe_s
 
     # --------------------------------------------------------------------------------- search --- #
@@ -433,7 +435,7 @@ class CapacitySearch:
         else:
             if len(self.probes) < o.max_probes:
                 self.notes.append(f"capacity budget spent ({self.requests_used} requests, "
-                                  f"{time.monotonic() - self.t0:.0f} s): the bracket is wider than {o.tolerance:.0%}")
+                                  f"{self.clock() - self.t0:.0f} s): the bracket is wider than {o.tolerance:.0%}")
         canary = engine_drift(self.canaries, self.notes)
         self.mark("the last canary")
         host = load_by_step(self.marks, self.notes)
@@ -460,7 +462,7 @@ class CapacitySearch:
             "host": host,
             "probes": sorted(self.probes, key=lambda p: p["rate_rps"]),
             "cost": {"requests": self.requests_used, "probes": len(self.probes),
-                     "wall_s": time.monotonic() - self.t0},
+                     "wall_s": self.clock() - self.t0},
             "notes": self.notes,
             "min_requests_to_meet": need,
             "method": {"probe_requests": list(o.probe_requests), "max_probes": o.max_probes,
@@ -471,7 +473,8 @@ class CapacitySearch:
 
 
 def measure_capacity(run: Callable[..., Any], pool: Sequence[Request], batch_cap: int, options: CapacityOptions,
-                     log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                     log: Callable[[str], None] | None = None,
+                     clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
     """`CapacitySearch.search()`, measured again once when the conditions moved under it -- its canary says the
     engine's own speed moved by more than `DRIFT_NOTE` (a neighbour arrived or left, a device throttled), or other
     processes and the hypervisor took more than `HOST_BUSY` of the host during a step (a neighbour present
@@ -481,7 +484,7 @@ def measure_capacity(run: Callable[..., Any], pool: Sequence[Request], batch_cap
     figure kept is the attempt measured under the steadiest conditions (the smallest `disturbance`), and
     `remeasured` lists both; `cost` counts both."""
     log = log or (lambda s: None)
-    first = CapacitySearch(run, pool, batch_cap, options, log)
+    first = CapacitySearch(run, pool, batch_cap, options, log, clock=clock)
     result = first.search()
     why = disturbed(result)
     if why is None:
@@ -493,7 +496,8 @@ def measure_capacity(run: Callable[..., Any], pool: Sequence[Request], batch_cap
                                f"took {spent:.0f} s (a longer --capacity-timeout re-measures a moved engine)")
         return result
     log(f"{why} during the measurement: measuring again")
-    again = CapacitySearch(run, pool, batch_cap, replace(options, max_wall_s=left), log, start=first.cursor).search()
+    again = CapacitySearch(run, pool, batch_cap, replace(options, max_wall_s=left), log, start=first.cursor,
+                           clock=clock).search()
     attempts = [result, again]
     k = min(range(2), key=lambda i: disturbance(attempts[i]))
     kept = attempts[k]
