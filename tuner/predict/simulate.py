@@ -1,0 +1,271 @@
+"""A virtual-time simulation of a continuous-batching engine, with the load generator's contract (tuner.loadgen).
+
+`SimulatedEngine.run(requests, concurrency, timeout_s, should_stop)` returns a `tuner.loadgen.LoadResult` as
+`run_load` does on a real engine, so the real capacity search (tuner.capacity.CapacitySearch, with
+`clock=engine.clock`) drives it unchanged: same warm-up, canaries, saturation probe, bracket and verdicts.
+
+The scheduler, one step at a time (llama-server's slots and vLLM's scheduler share this shape):
+* **Sending** as the load generator does: open loop at each request's `arrival_s` from the run's start; closed loop
+  with `concurrency` in flight, the next request scheduled the moment one finishes (coordinated omission counted:
+  latencies run from the scheduled time; the simulated harness has no dispatch lag).
+* **Admission**, FCFS at each step's start: while fewer than `batch_cap` run and, with `kv_tokens`, the head's
+  prompt + max_tokens fits in what the running requests have reserved (reserved whole at admission, so nothing is
+  ever preempted; a request larger than the whole KV fails at once). The head blocks the queue behind it.
+* **A step**: every running request past its prompt decodes one token; prompts are processed in the same step
+  (FCFS, whole, or with `token_budget` the tokens left after the decodes, in chunks). A request whose prompt
+  finishes in a step gets its first token at that step's end. Requests arriving during a step wait for its end.
+* **Step time** from a `StepModel`: one forward pass costs a fixed part, a part per decoding sequence, a part per
+  context token those sequences attend to, and, when the step holds prompt tokens, a fixed prefill part plus a
+  part per prompt token; times an optional lognormal noise factor (mean 1) drawn from the engine's seeded RNG.
+
+Runs are back to back in virtual time (`clock()`), the engine idle between them. A run stopped by `should_stop`
+returns only the requests that had finished, after the requests already handed over have run to their end (the
+load generator's `settle`); a run past `timeout_s` drops what was still running. Deterministic for a seed and
+the same sequence of runs. Per step the work is O(running requests).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tuner.errors import TunerError
+from tuner.loadgen import LoadResult
+from tuner.metrics import RequestResult
+from tuner.workload import Request
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Seconds one engine step takes. `decode_s(batch, context_tokens)` = a + b*batch + c*context_tokens (the
+    decoding sequences and the context they attend to, summed); a step holding prompt tokens adds
+    prefill_base_s + prefill_per_token_s * tokens, so a prompt alone on an idle engine costs `prefill_s(tokens)` =
+    a + prefill_base_s + prefill_per_token_s * tokens. `noise_sigma`: each step's time is multiplied by a lognormal
+    factor of mean 1 and this log-standard deviation (0: constant)."""
+
+    decode_base_s: float
+    decode_per_seq_s: float = 0.0
+    decode_per_context_token_s: float = 0.0
+    prefill_base_s: float = 0.0
+    prefill_per_token_s: float = 0.0
+    noise_sigma: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("decode_base_s", "decode_per_seq_s", "decode_per_context_token_s", "prefill_base_s",
+                     "prefill_per_token_s", "noise_sigma"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise TunerError(f"step model {name}={v!r} is invalid: expected a finite number >= 0")
+        if self.decode_base_s + self.decode_per_seq_s <= 0:
+            raise TunerError("step model decode_base_s + decode_per_seq_s is 0: a decoding step must take time")
+
+    def decode_s(self, batch: int, context_tokens: int) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_context_token_s * context_tokens
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.step_s(0, 0, tokens)
+
+    def step_s(self, batch: int, context_tokens: int, prompt_tokens: int) -> float:
+        """One step: `batch` decoding sequences over `context_tokens` in all, and `prompt_tokens` of prompts."""
+        t = self.decode_s(batch, context_tokens)
+        if prompt_tokens:
+            t += self.prefill_base_s + self.prefill_per_token_s * prompt_tokens
+        return t
+
+    def to_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+class _Seq:
+    """One request inside the simulation."""
+
+    __slots__ = ("req", "result", "scheduled", "prompt_left", "ctx", "out", "last", "need", "ended_s")
+
+    def __init__(self, req: Request, scheduled: float, t0: float) -> None:
+        self.req = req
+        self.scheduled = scheduled
+        self.prompt_left = max(1, len(req.prompt_ids))  # an empty prompt still takes one token (BOS)
+        self.ctx = 0  # tokens in its KV cache once it decodes
+        self.out = 0
+        self.last = scheduled
+        self.need = self.prompt_left + req.max_tokens  # KV reserved at admission
+        self.ended_s: float | None = None  # when it finished (virtual seconds)
+        self.result = RequestResult(index=req.index, prompt_tokens=len(req.prompt_ids), send_s=scheduled - t0,
+                                    dispatch_lag_ms=0.0)
+
+
+class SimulatedEngine:
+    """A continuous-batching engine in virtual time (see the module docstring)."""
+
+    def __init__(self, model: StepModel, batch_cap: int, kv_tokens: int | None = None,
+                 token_budget: int | None = None, seed: int = 0) -> None:
+        if batch_cap < 1:
+            raise TunerError(f"batch cap {batch_cap} is invalid: expected an integer >= 1")
+        if kv_tokens is not None and kv_tokens < 1:
+            raise TunerError(f"KV capacity {kv_tokens} tokens is invalid: expected an integer >= 1 or None")
+        if token_budget is not None and token_budget < batch_cap:
+            raise TunerError(f"token budget {token_budget} is invalid: expected an integer >= the batch cap "
+                             f"({batch_cap}), so every running sequence can decode in a step")
+        self.model, self.cap, self.kv_tokens, self.token_budget = model, batch_cap, kv_tokens, token_budget
+        self.rng = random.Random(f"simulated-engine-{seed}")
+        self.now = 0.0
+        self.steps = 0  # steps simulated so far, all runs together
+
+    def clock(self) -> float:
+        """Virtual seconds since the engine was made (advanced by each run, and during one)."""
+        return self.now
+
+    def step_time_s(self, batch: int, context_tokens: int, prompt_tokens: int) -> float:
+        t = self.model.step_s(batch, context_tokens, prompt_tokens)
+        sigma = self.model.noise_sigma
+        return t * self.rng.lognormvariate(-sigma * sigma / 2.0, sigma) if sigma > 0 else t
+
+    def run(self, requests: Sequence[Request], concurrency: int | None = None, timeout_s: float = 3600.0,
+            should_stop: Callable[[list[RequestResult], int], str | None] | None = None,
+            **_: Any) -> LoadResult:
+        """Serve `requests` (open loop at their `arrival_s`, or closed loop at `concurrency`) from the current
+        virtual time; the same contract as tuner.loadgen.run_load (extra keywords such as `progress` ignored)."""
+        t0 = self.now
+        n = len(requests)
+        deadline = t0 + timeout_s
+        seqs: list[_Seq | None] = [None] * n
+        sent: list[_Seq] = []
+        waiting: deque[_Seq] = deque()
+        running: list[_Seq] = []
+        done: list[_Seq] = []  # in the order they finished
+        free_at: deque[float] = deque([t0] * concurrency) if concurrency else deque()
+        kv_used = 0
+        ctx_decoding = 0  # context tokens of the running requests past their prompt
+        cursor = 0  # next request to send
+        reason: str | None = None
+        finished_count = 0  # requests finished when `should_stop` ended the run
+        t = t0
+
+        def send_due() -> None:
+            nonlocal cursor
+            while cursor < n:
+                req = requests[cursor]
+                if concurrency:
+                    if not free_at:
+                        return
+                    scheduled = free_at.popleft()
+                else:
+                    scheduled = t0 + (req.arrival_s or 0.0)
+                    if scheduled > t:
+                        return
+                s = _Seq(req, scheduled, t0)
+                seqs[cursor] = s
+                sent.append(s)
+                waiting.append(s)
+                cursor += 1
+
+        def finish(s: _Seq, error: str | None) -> None:
+            r = s.result
+            r.output_tokens, r.chunks, r.error = s.out, s.out, error
+            r.e2e_ms = (s.last - s.scheduled) * 1e3 if error is None else None
+            s.ended_s = t
+            done.append(s)
+            if concurrency:
+                free_at.append(t)
+
+        while True:
+            if reason is None:
+                send_due()
+            while waiting and len(running) < self.cap:  # admission, FCFS
+                head = waiting[0]
+                if self.kv_tokens is not None:
+                    if head.need > self.kv_tokens:
+                        waiting.popleft()
+                        finish(head, f"prompt + max_tokens = {head.need} tokens exceed the KV capacity "
+                                     f"({self.kv_tokens} tokens)")
+                        if reason is None:
+                            send_due()
+                        continue
+                    if kv_used + head.need > self.kv_tokens:
+                        break
+                    kv_used += head.need
+                running.append(waiting.popleft())
+            if not running:
+                if waiting:  # only when every waiting request was rejected above and more were sent: go round
+                    continue
+                if reason is not None or cursor >= n:
+                    break
+                if concurrency:  # closed loop with nothing in flight: every slot is free, so all were sent
+                    break
+                t_next = t0 + (requests[cursor].arrival_s or 0.0)
+                if t_next > deadline:
+                    t = deadline
+                    break
+                t = max(t, t_next)  # idle until the next arrival
+                self.now = t
+                continue
+            # one step: decodes first, then prompt tokens (whole, or what the token budget leaves)
+            budget = (self.token_budget if self.token_budget is not None else math.inf)
+            decoding = [s for s in running if s.prompt_left == 0]
+            budget -= len(decoding)
+            chunks: list[tuple[_Seq, int]] = []
+            prompt_tokens = 0
+            for s in running:
+                if s.prompt_left and budget > 0:
+                    take = int(min(s.prompt_left, budget))
+                    chunks.append((s, take))
+                    prompt_tokens += take
+                    budget -= take
+            dt = self.step_time_s(len(decoding), ctx_decoding, prompt_tokens)
+            self.steps += 1
+            if t + dt > deadline:
+                t = deadline
+                break
+            t += dt
+            self.now = t
+            for s in decoding:
+                s.result.itl_ms.append((t - s.last) * 1e3)
+                s.last = t
+                s.out += 1
+                s.ctx += 1
+            ctx_decoding += len(decoding)
+            for s, take in chunks:
+                s.prompt_left -= take
+                if s.prompt_left == 0:  # its first token
+                    s.result.ttft_ms = (t - s.scheduled) * 1e3
+                    s.last = t
+                    s.out = 1
+                    s.ctx = len(s.req.prompt_ids) + 1
+                    ctx_decoding += s.ctx
+            ended = [s for s in running if s.out >= s.req.max_tokens]
+            if ended:
+                running = [s for s in running if s.out < s.req.max_tokens]
+                for s in ended:
+                    kv_used -= s.need if self.kv_tokens is not None else 0
+                    ctx_decoding -= s.ctx
+                    finish(s, None)
+                if should_stop is not None and reason is None:
+                    reason = should_stop([d.result for d in done], n)
+                    if reason is not None:
+                        finished_count = len(done)
+        self.now = t
+        finished = done[:finished_count] if reason is not None else done
+        finished_ids = {id(s) for s in finished}
+        if reason is not None:  # the requests handed over ran to their end (settle); only the finished count
+            results = [s.result for s in sent if id(s) in finished_ids]
+        else:
+            results = []
+            for i, req in enumerate(requests):
+                seq = seqs[i]
+                if seq is None:
+                    results.append(RequestResult(index=req.index, prompt_tokens=len(req.prompt_ids),
+                                                 error="not sent: run timed out"))
+                    continue
+                if id(seq) not in finished_ids:
+                    seq.result.output_tokens = seq.result.chunks = seq.out
+                    seq.result.error = f"timed out after {timeout_s:g}s"
+                results.append(seq.result)
+        end = max((s.ended_s for s in finished if s.ended_s is not None), default=t0)
+        first = min((s.scheduled for s in sent), default=t0)
+        last = max((s.scheduled for s in sent), default=None)
+        return LoadResult(results=results, duration_s=end - first, token_ids=[[] for _ in requests],
+                          stopped_reason=reason, sent=len(sent), last_send_s=None if last is None else last - t0)
