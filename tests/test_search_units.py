@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -245,7 +244,9 @@ def test_answer_on_hand_made_trials():
     assert "serves 2 req/s [2, 2.2] within the SLO" in rec["statement"] and "4.00x" in rec["statement"]
     assert [r["trial"] for r in a["runners_up"]] == [4, 0]
     # the two configs with more capacity broke the quality budget (2) and the "shown to hold" / latency terms (3)
-    assert rec["binding_constraint"].split(" (")[0] in NAMES
+    assert rec["more_capacity_stopped_by"] == {NAMES[0]: 1, NAMES[1]: 1, NAMES[2]: 1}
+    # the pick's own tightest term: ttft p90 290 of 300 ms (3% to spare) before the quality bound 0.8 of 1 pp (20%)
+    assert rec["binding_constraint"] == "ttft:p90 290 ms of 300 ms (10 ms slack) at 2 req/s"
     # 0 stays: less capacity but the best quality (0.500 > 0.499 > 0.498)
     assert [s["trial"] for s in a["pareto_front"]] == [1, 4, 0]
 
@@ -364,10 +365,10 @@ def test_a_re_measure_that_fails_ranks_the_pick_last_with_a_verdict_of_the_inter
         measured.append(trial_dir.parent.name)
         if not measured[1:]:
             return {"status": "failed", "reason": "engine failed: killed"}
-        return {"status": "ok", "metrics": {"capacity": attrs(1.9)["capacity"]}}
+        return {"status": "ok", "metrics": {"capacity": capacity_at(1.9, 250.0, missed_ttft_ms=400.0)}}
 
     monkeypatch.setattr(C, "measure", measure)
-    ctx = SimpleNamespace(study_dir=tmp_path)
+    ctx = search_ctx(tmp_path, "ttft:p90<300ms")
     C.confirm_best(study, ctx, 2, log=lambda s: None)
     assert measured == ["0001", "0002"]
     one = study.user_attrs["confirmed"]["1"]["capacity"]
@@ -413,3 +414,139 @@ def test_the_answer_says_when_the_host_was_busy_under_the_pick():
     rows[1].capacity["host"] = measured(busy=True)
     busy = answer(rows, NAMES)["recommendation"]["host_busy"]
     assert list(busy) == [1] and busy[1]["step"] == "the saturation probe"
+
+
+def search_ctx(tmp_path, slo, budget=1.0, cost_per_hour=None, attainment=None):
+    """The search's context as `tuner search` builds it (the bundled CPU space, default workload)."""
+    from tuner.objective import SearchContext
+    from tuner.space import default_space_path
+    from tuner.targets import build_slo
+    from tuner.workload import WorkloadSpec
+
+    _, s = build_slo(None, "ttft:p99", slo, attainment=attainment)
+    return SearchContext(model="smollm2-135m", device="cpu", space=load_space(default_space_path("cpu")),
+                         primary=None, slo=s, max_quality_drop=budget, workload=WorkloadSpec(),
+                         quality_tasks=("arc_easy",), quality_limit=10, study_dir=tmp_path, results_dir=tmp_path,
+                         cost_per_hour=cost_per_hour)
+
+
+def capacity_at(rate, ttft_p90_ms, n=60, attained=0.95, missed_ttft_ms=2600.0, tok_s=None):
+    """A capacity result shaped as tuner.capacity writes it: probes below, at and above the capacity rate (rate 0:
+    no rate met; the one probe misses)."""
+    if not rate:
+        probes = [{"rate_rps": 0.5, "n": n, "verdict": "misses", "ttft_ms": {"p90": missed_ttft_ms},
+                   "attainment": 0.5}]
+        return {"requests_per_s": 0.0, "requests_per_s_ci": [0.0, 0.5], "verdict": "misses",
+                "output_tokens_per_s": 0.0, "probes": probes}
+    probes = [{"rate_rps": rate / 2, "n": n, "verdict": "meets", "ttft_ms": {"p90": ttft_p90_ms / 2},
+               "attainment": 1.0},
+              {"rate_rps": rate, "n": n, "verdict": "meets", "ttft_ms": {"p90": ttft_p90_ms}, "attainment": attained},
+              {"rate_rps": rate * 1.25, "n": n, "verdict": "misses", "ttft_ms": {"p90": missed_ttft_ms},
+               "attainment": 0.6}]
+    return {"requests_per_s": rate, "requests_per_s_ci": [rate, rate * 1.25], "verdict": "meets",
+            "output_tokens_per_s": tok_s or rate * 30, "probes": probes}
+
+
+def judged(ctx, number, capacity, drop_hi_pp, quant="bf16"):
+    """A trial judged by the search's own constraint functions (tuner.objective)."""
+    from tuner.objective import constraint_names, quality_constraint, slo_constraints
+
+    q = {"score": 0.5, "drop_pp": drop_hi_pp / 2,
+         "gate": {"verdict": "within" if drop_hi_pp <= ctx.max_quality_drop else "indeterminate",
+                  "drop_ci_pp": [-drop_hi_pp, drop_hi_pp], "budget_pp": ctx.max_quality_drop, "confidence": 0.95}}
+    cons = slo_constraints(capacity, ctx) + [quality_constraint(q, ctx)]
+    assert len(cons) == len(constraint_names(ctx))
+    return Row(number, "COMPLETE", {"quant": quant, "batch_cap": 8, "kv_fraction": 0.01, "draft": "none"}, {}, q,
+               cons, None, None, capacity, "transformers-cb")
+
+
+def test_the_binding_constraint_is_the_picks_tightest_real_term_in_its_own_unit(tmp_path):
+    """`make demo` printed "binding constraint: SLO shown to hold (least slack: -0% of its limit)": that indicator
+    is 0 for every feasible trial, so it won `max` over terms that are all <= 0. The binding constraint is now the
+    pick's tightest real term, with its value, its limit and its slack in its own unit."""
+    from tuner.objective import constraint_names
+
+    ctx = search_ctx(tmp_path, "ttft:p90<2s")
+    names = constraint_names(ctx)
+    assert names[1] == "SLO shown to hold"
+    base = judged(ctx, 0, capacity_at(0.4, 700.0), 0.0, quant="fp32")
+    pick = judged(ctx, 1, capacity_at(1.23, 1620.0), 0.5)  # ttft 19% of its limit to spare, quality 50%
+    rec = answer([base, pick], names, baseline_number=0)["recommendation"]
+    assert rec["trial"] == 1
+    assert rec["binding_constraint"] == "ttft:p90 1.62 s of 2 s (0.38 s slack, n=60) at 1.23 req/s"
+    b = rec["binding"]
+    assert b["term"] == "ttft:p90<2000ms" and b["unit"] == "s" and b["n"] == 60 and b["at_rps"] == 1.23
+    assert (b["value"], b["limit"], b["slack"]) == pytest.approx((1.62, 2.0, 0.38))
+    # the same pick with a quality upper bound of 0.95 pp against a 1 pp budget: now quality binds
+    tight = judged(ctx, 1, capacity_at(1.23, 1620.0), 0.95)
+    rec = answer([base, tight], names, baseline_number=0)["recommendation"]
+    assert rec["binding_constraint"] == "quality drop (upper 95% bound) 0.95 pp of 1 pp (0.05 pp slack)"
+    assert rec["binding"]["unit"] == "pp" and rec["binding"]["slack"] == pytest.approx(0.05)
+    # per-request targets: the attainment at the capacity point against the share required
+    ctx2 = search_ctx(tmp_path, "ttft<300ms", attainment=0.9, budget=5.0)
+    pick2 = judged(ctx2, 1, capacity_at(2.0, 250.0, attained=0.95), 0.5)
+    rec = answer([pick2], constraint_names(ctx2), baseline_number=None)["recommendation"]
+    assert rec["binding_constraint"] == "95.0% of requests within ttft<300ms, 90% required (5.0 pp slack, n=60) " \
+                                        "at 2 req/s"
+
+
+def test_a_re_measured_pick_is_judged_on_its_re_measure(monkeypatch, tmp_path):
+    """tuner.confirm on a real Optuna study, the re-measure injected in place of the child `tuner bench`: trial 1
+    won at 3 req/s but its re-measure meets the SLO at no rate. It is judged on that measure (constraints, slack,
+    cost: infeasible), not kept "feasible" with a capacity of 0; the next candidate is re-measured and recommended,
+    and the answer says why trial 1 is not. With a budget of one re-measure, no configuration is confirmed."""
+    import optuna
+
+    import tuner.confirm as C
+    from tuner.objective import constraint_names
+    from tuner.study import rows_from_study
+
+    ctx = search_ctx(tmp_path, "ttft:p90<2s", cost_per_hour=1.0)
+    names = constraint_names(ctx)
+
+    def new_study():
+        study = optuna.create_study(directions=["maximize", "maximize"])
+        study.set_user_attr("constraint_names", names)
+        for n, rps in enumerate((0.5, 3.0, 2.0)):
+            r = judged(ctx, n, capacity_at(rps, 1500.0, tok_s=rps * 40), 0.5)
+            attrs = {"config": dict(r.config, model="smollm2-135m", device="cpu"), "metrics": {},
+                     "capacity": r.capacity, "quality": r.quality, "constraints": r.constraints,
+                     "cost_per_million_tokens": 1e6 / (rps * 40 * 3600)}
+            study.add_trial(optuna.trial.create_trial(values=[rps, 0.5], user_attrs=attrs,
+                                                      state=optuna.trial.TrialState.COMPLETE))
+        return study
+
+    again = {"1": capacity_at(0.0, 0.0, missed_ttft_ms=5200.0), "2": capacity_at(1.9, 1700.0, tok_s=70.0)}
+    measured = []
+
+    def measure(config, ctx, trial_dir):
+        measured.append(trial_dir.parent.name)
+        return {"status": "ok", "metrics": {"capacity": again[str(int(trial_dir.parent.name))]}}
+
+    monkeypatch.setattr(C, "measure", measure)
+    study, said = new_study(), []
+    C.confirm_best(study, ctx, 2, log=said.append)
+    assert measured == ["0001", "0002"]
+    assert any("trial 1 re-measured: the re-measure met the SLO at no rate (verdict misses): not recommended" in s
+               for s in said)
+    rows = {r.number: r for r in rows_from_study(study)}
+    assert not rows[1].feasible and rows[1].rps == 0.0  # judged on the re-measure: ttft 5.2 s at the lowest rate
+    assert rows[1].constraints[0] == pytest.approx((5200.0 - 2000.0) / 2000.0) and rows[1].cost is None
+    a = answer(list(rows.values()), names, baseline_number=0, cost_per_hour=1.0)
+    assert a["n_feasible"] == 2 and 1 not in [r["trial"] for r in a["runners_up"] + a["pareto_front"]]
+    assert a["not_confirmed"] == [{"trial": 1, "in_trial_requests_per_s": 3.0,
+                                   "why": "the re-measure met the SLO at no rate (verdict misses)"}]
+    rec = a["recommendation"]
+    assert rec["trial"] == 2 and rec["confirmed"] and rec["capacity_requests_per_s"] == 1.9
+    assert rec["slack"]["ttft:p90<2000ms"] == pytest.approx((2000.0 - 1700.0) / 2000.0)  # from the re-measure
+    assert rec["binding_constraint"].startswith("ttft:p90 1.7 s of 2 s (0.3 s slack")
+    assert rec["cost_per_million_tokens"] == pytest.approx(1e6 / (70.0 * 3600))  # the re-measure's tok/s
+    assert "trial 1 (3 req/s in its trial) is not recommended: the re-measure met the SLO at no rate" \
+        in rec["statement"]
+    # one re-measure only: trial 1 fails it, trial 2 is first now but not re-measured -- nothing is confirmed
+    study, said, measured[:] = new_study(), [], []
+    C.confirm_best(study, ctx, 1, log=said.append)
+    assert measured == ["0001"] and said[-1].startswith("no configuration confirmed: the --confirm budget (1) is spent")
+    rec = answer(rows_from_study(study), names, baseline_number=0)["recommendation"]
+    assert rec["trial"] == 2 and not rec["confirmed"]
+    assert rec["statement"].endswith("no configuration confirmed: this figure is its trial's own (not re-measured)")

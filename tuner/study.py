@@ -122,28 +122,44 @@ CONFIRMED = "confirmed"  # study attribute: trial number -> its re-measure after
 
 
 def remeasure_of(study: Any, number: int) -> dict[str, Any] | None:
-    """Trial `number`'s re-measure after the search ({capacity, metrics, wall_s}), or None: the figure the answer,
-    the dashboard and `tuner export` report for it."""
+    """Trial `number`'s re-measure after the search ({capacity, metrics, constraints, cost_per_million_tokens,
+    wall_s}), or None: the figure the answer, the dashboard and `tuner export` report for it."""
     again = ((getattr(study, "user_attrs", None) or {}).get(CONFIRMED) or {}).get(str(number))
     return again if isinstance(again, dict) and isinstance(again.get("capacity"), dict) else None
 
 
 def rows_from_study(study: Any) -> list[Row]:
-    """One row per trial; a trial re-measured after the search (tuner.confirm) carries that measure as its
-    capacity and metrics, its own in `trial_capacity`."""
+    """One row per trial; a trial re-measured after the search (tuner.confirm) is judged on that measure: its
+    capacity, metrics, constraints (feasibility, slack) and cost are the re-measure's, its own capacity in
+    `trial_capacity`."""
     rows = []
+    names = list((getattr(study, "user_attrs", None) or {}).get("constraint_names") or [])
     for t in study.get_trials(deepcopy=False):
         ua = t.user_attrs
         again = remeasure_of(study, t.number)
         metrics, capacity = ua.get("metrics") or {}, ua.get("capacity")
+        constraints, cost = ua.get("constraints"), ua.get("cost_per_million_tokens")
         if again:
             metrics, capacity = again.get("metrics") or metrics, again["capacity"]
+            constraints = again.get("constraints") or legacy_rejudge(constraints, capacity, names)
+            cost = again.get("cost_per_million_tokens")
         rows.append(Row(t.number, t.state.name, ua.get("config") or {}, metrics,
-                        ua.get("quality") or {}, ua.get("constraints"), ua.get("reason"),
-                        ua.get("cost_per_million_tokens"), capacity, (ua.get("engine") or {}).get("name"),
+                        ua.get("quality") or {}, constraints, ua.get("reason"),
+                        cost, capacity, (ua.get("engine") or {}).get("name"),
                         launch_command((ua.get("engine") or {}).get("info") or {}),
                         ua.get("capacity") if again else None))
     return rows
+
+
+def legacy_rejudge(constraints: list[float] | None, capacity: dict[str, Any], names: list[str]) -> list[float] | None:
+    """A re-measure stored before re-measures carried their own constraints: a capacity not shown to meet the SLO
+    makes the trial infeasible ("SLO shown to hold" violated), whatever its trial said."""
+    if constraints is None or capacity.get("verdict") == "meets":
+        return constraints
+    from tuner.objective import UNDECIDED
+
+    i = names.index(SHOWN_TO_HOLD) if SHOWN_TO_HOLD in names else None
+    return [max(c, UNDECIDED) if i is None or k == i else c for k, c in enumerate(constraints)]
 
 
 def launch_command(info: dict[str, Any]) -> list[str] | None:
@@ -182,12 +198,16 @@ def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, c
         "constraints": names,
         "baseline": summary(base) if base else None,
         "pareto_front": [summary(r) for r in pareto_front(rows)],
+        "not_confirmed": not_confirmed(rows),
     }
     if feasible:
         best = feasible[0]
         rec = summary(best)
         rec["slack"] = {n: -c for n, c in zip(names, best.constraints or [])}
-        rec["binding_constraint"] = binding(names, best, rows)
+        bind = binding(names, best)
+        rec["binding"] = bind
+        rec["binding_constraint"] = bind["text"] if bind else "none"
+        rec["more_capacity_stopped_by"] = stopped_by(names, best, rows)
         gain = gain_over(best, base)
         rec.update(gain)
         if cost_per_hour and best.tok_s:
@@ -205,7 +225,7 @@ def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, c
                             for b in [((r.capacity or {}).get("host") or {}).get("busiest")]
                             if b and busy_share(b) > HOST_BUSY}
         rec["speed_since_trial"] = speed_since_trial(best)  # None unless re-measured, with canaries both times
-        rec["statement"] = statement(best, base, gain)
+        rec["statement"] = statement(best, base, gain, rows)
         out["recommendation"] = rec
         out["runners_up"] = [dict(summary(r), vs_best=tradeoff(r, best)) for r in feasible[1:4]]
     engines = list(dict.fromkeys(r.config.get("engine", "transformers") for r in rows if r.config))
@@ -243,7 +263,7 @@ def describe(c: dict[str, Any]) -> str:
             f"draft {c.get('draft')}{extra}")
 
 
-def statement(best: Row, base: Row | None, gain: dict[str, Any]) -> str:
+def statement(best: Row, base: Row | None, gain: dict[str, Any], rows: list[Row] | None = None) -> str:
     lo, hi = best.rps_ci
     text = (f"trial {best.number} ({describe(best.config)}, on {best.engine or '?'}) serves {best.rps:.3g} req/s "
             f"[{lo:.3g}, {hi:.3g}] within the SLO")
@@ -262,7 +282,28 @@ def statement(best: Row, base: Row | None, gain: dict[str, Any]) -> str:
                      f"{base.rps:.3g} req/s")
         else:
             text += ", where the engine default was shown to meet the SLO at no rate probed"
+    rows = rows or []
+    for n in not_confirmed(rows):
+        text += (f"; trial {n['trial']} ({n['in_trial_requests_per_s']:.3g} req/s in its trial) is not recommended: "
+                 f"{n['why']}")
+    if best.trial_capacity is None and any(r.trial_capacity is not None for r in rows):
+        text += "; no configuration confirmed: this figure is its trial's own (not re-measured)"
     return text
+
+
+def why_not(capacity: dict[str, Any]) -> str:
+    """Why a re-measure does not confirm its trial, in one clause."""
+    if capacity.get("failed"):
+        return f"the re-measure failed ({capacity['failed']})"
+    return f"the re-measure met the SLO at no rate (verdict {capacity.get('verdict') or 'indeterminate'})"
+
+
+def not_confirmed(rows: list[Row]) -> list[dict[str, Any]]:
+    """Trials re-measured after the search whose re-measure is not feasible: not recommended on their trial's
+    figure."""
+    return [{"trial": r.number, "in_trial_requests_per_s": float((r.trial_capacity or {}).get("requests_per_s") or 0),
+             "why": why_not(r.capacity or {})}
+            for r in rows if r.trial_capacity is not None and r.state == "COMPLETE" and not r.feasible]
 
 
 def speed_since_trial(r: Row) -> float | None:
@@ -286,19 +327,87 @@ def miss_score(constraints: list[float]) -> float:
     return sum(c for c in constraints if c > 0 and math.isfinite(c))
 
 
-def binding(names: list[str], best: Row, rows: list[Row]) -> str:
-    """The constraint that stopped a higher-capacity config: among measured trials with more capacity than the
-    recommendation, the one violated most often; without such trials, the one with the least (normalised) slack."""
-    if not best.constraints:
-        return "none"
+SHOWN_TO_HOLD = "SLO shown to hold"  # tuner.objective's indicator term: 0 for every feasible trial, never binding
+
+
+def binding(names: list[str], best: Row) -> dict[str, Any] | None:
+    """The pick's tightest real term (an SLO bound, the attainment of per-request targets, the quality budget; never
+    the "SLO shown to hold" indicator, which is 0 for every feasible trial): the one with the least normalised
+    slack, with its value, its limit and its slack in its own unit, measured at the capacity point."""
+    cons = best.constraints or []
+    real = [i for i, n in enumerate(names[:len(cons)]) if n != SHOWN_TO_HOLD and math.isfinite(cons[i])]
+    if not real:
+        return None
+    i = max(real, key=lambda k: cons[k])
+    return term_at(names[i], cons[i], best)
+
+
+def term_at(name: str, normalised: float, r: Row) -> dict[str, Any]:
+    """One constraint term of `r` in its own unit: {term, value, limit, slack, unit, n, at_rps, text}."""
+    from tuner.capacity import capacity_point
+
+    point = capacity_point(r.capacity or {}) or {}
+    at = f" at {r.rps:.3g} req/s" if r.rps else ""
+    n = point.get("n")
+    out: dict[str, Any] = {"term": name, "normalised_slack": -normalised, "at_rps": r.rps or None, "n": n}
+    if name.startswith("quality drop"):
+        gate = (r.quality or {}).get("gate") or {}
+        hi = (gate.get("drop_ci_pp") or [None, None])[1]
+        budget = gate.get("budget_pp")
+        if budget is None:
+            m = re.search(r"<=\s*([0-9.eE+-]+)\s*pp", name)
+            budget = float(m.group(1)) if m else None
+        if hi is not None and budget is not None:
+            conf = gate.get("confidence")
+            bound = f"upper {conf:.0%} bound" if conf else "upper bound"
+            out.update(value=hi, limit=budget, slack=budget - hi, unit="pp",
+                       text=f"quality drop ({bound}) {hi:.2f} pp of {budget:g} pp ({budget - hi:.2f} pp slack)")
+            return out
+    elif " of requests: " in name:
+        got = point.get("attainment")
+        if got is not None and normalised < 1:
+            target = got / (1.0 - normalised)  # normalised = (target - attained) / target
+            within = name.split(" of requests: ", 1)[1]
+            out.update(value=got, limit=target, slack=got - target, unit="share",
+                       text=f"{got:.1%} of requests within {within}, {target:.0%} required "
+                            f"({100 * (got - target):.1f} pp slack, n={n}){at}")
+            return out
+    else:
+        from tuner.targets import parse_slo
+
+        try:
+            (b,) = parse_slo(name)
+        except (TunerError, ValueError):
+            b = None
+        if b is not None:
+            from tuner.capacity import bound_value_at
+
+            v = bound_value_at(r.capacity or {}, b) if r.capacity else None
+            if v is None:
+                v = b.limit_ms * (1.0 + normalised)  # normalised = (value - limit) / limit
+            sec = b.limit_ms >= 1000.0
+            unit = "s" if sec else "ms"
+
+            def f(ms: float) -> str:
+                return f"{ms / 1000.0:.3g} s" if sec else f"{ms:.3g} ms"
+
+            out.update(value=v / 1000.0 if sec else v, limit=b.limit_ms / 1000.0 if sec else b.limit_ms,
+                       slack=(b.limit_ms - v) / 1000.0 if sec else b.limit_ms - v, unit=unit,
+                       text=f"{b.key} {f(v)} of {f(b.limit_ms)} ({f(b.limit_ms - v)} slack"
+                            + (f", n={n}" if n else "") + f"){at}")
+            return out
+    out.update(value=None, limit=None, slack=None, unit=None,
+               text=f"{name} ({-normalised:.0%} of its limit to spare){at}")
+    return out
+
+
+def stopped_by(names: list[str], best: Row, rows: list[Row]) -> dict[str, int]:
+    """What kept the measured configurations with more capacity than the pick out: per term, how many of them
+    violated it."""
     better = [r for r in rows if r.state in ("COMPLETE", "PRUNED") and r.rps > best.rps and r.constraints]
-    if better:
-        counts = [sum(1 for r in better if r.constraints[i] > 0) for i in range(len(names))]
-        i = max(range(len(names)), key=lambda k: counts[k])
-        if counts[i]:
-            return f"{names[i]} (violated by {counts[i]} config(s) with more capacity)"
-    i = max(range(len(best.constraints)), key=lambda k: best.constraints[k])
-    return f"{names[i]} (least slack: {-best.constraints[i]:.0%} of its limit)"
+    counts = {n: sum(1 for r in better if i < len(r.constraints or []) and (r.constraints or [])[i] > 0)
+              for i, n in enumerate(names)}
+    return {n: c for n, c in counts.items() if c}
 
 
 def tradeoff(r: Row, best: Row) -> str:
