@@ -136,3 +136,54 @@ def test_increasing_on_a_knob_it_cannot_apply_to_is_one_line_naming_the_key(tmp_
     with pytest.raises(TunerError) as e:
         grid_space(tmp_path, text)
     assert f"knobs.{knob}.increasing" in str(e.value) and says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_configuration_that_failed_is_never_proposed_again(tmp_path, seed):
+    """Every configuration at batch cap 16 runs out of memory (a failed trial, as the search records it: FAIL with
+    a reason). On the 24-configuration grid, 24 trials of the search's sampler measure each configuration once, the
+    failed ones included: a configuration that failed is not proposed again while anything new is left."""
+    from tuner.objective import TrialFailed
+
+    space = grid_space(tmp_path)
+    study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(seed, space))
+    study.enqueue_trial(dict(space.baseline))
+    order = []
+
+    def objective(trial):
+        c = suggest_config(trial, space, "m", "cpu")
+        order.append(config_key(space, trial.params))
+        if c.batch_cap == 16:
+            trial.set_user_attr("reason", "out of memory (trial memory limit 4.0 GB): CUDA out of memory")
+            raise TrialFailed("out of memory")
+        return SPEED[c.quant] * c.batch_cap, 0.5
+
+    study.optimize(objective, n_trials=24, catch=(TrialFailed,))
+    assert len(order) == 24 and len(set(order)) == 24
+    assert sum(t.state == optuna.trial.TrialState.FAIL for t in study.trials) == 4  # each format once at 16
+
+
+def test_an_interrupted_trial_leaves_its_configuration_to_be_measured(tmp_path):
+    """A trial failed from outside (its worker died) said nothing about its configuration: with the only other one
+    measured, the next trial takes it; the same configuration failed by itself (out of memory) is not taken again
+    (the grid is then exhausted: the next trial repeats the one measured)."""
+    space = grid_space(tmp_path, "knobs:\n  quant: {choices: [fp32, bf16]}\n  batch_cap: {choices: [1]}\n"
+                                 "baseline: {quant: fp32, batch_cap: 1}\n")
+    outcomes = {}
+    for reason in ("interrupted: its worker host:1:2 died during the trial (process gone)",
+                   "out of memory (trial memory limit 4.0 GB): killed"):
+        study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(0, space))
+        dists = {"quant": optuna.distributions.CategoricalDistribution(["fp32", "bf16"]),
+                 "batch_cap": optuna.distributions.CategoricalDistribution([1])}
+        study.add_trial(optuna.trial.create_trial(params={"quant": "fp32", "batch_cap": 1}, distributions=dists,
+                                                  values=[1.0, 0.5]))
+        study.add_trial(optuna.trial.create_trial(params={"quant": "bf16", "batch_cap": 1}, distributions=dists,
+                                                  state=optuna.trial.TrialState.FAIL, user_attrs={"reason": reason}))
+        picks = []
+        for _ in range(3):
+            trial = study.ask()
+            picks.append(suggest_config(trial, space, "m", "cpu").quant)
+            study.tell(trial, [1.0, 0.5])
+        outcomes[reason.split(":")[0]] = picks
+    assert outcomes["interrupted"][0] == "bf16"
+    assert outcomes["out of memory (trial memory limit 4.0 GB)"][0] == "fp32"

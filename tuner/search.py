@@ -107,7 +107,9 @@ def no_repeat_tpe(base: type) -> type:
     """A TPE sampler that does not spend a trial re-measuring a configuration: a search space is finite in its
     categorical knobs (a batch cap, a format), and plain TPE, whose acquisition peaks at the best point seen, keeps
     proposing configurations already measured -- each a full capacity measurement that adds nothing. Candidates all
-    of whose configurations were measured (trials COMPLETE, PRUNED or RUNNING: tuner.space.all_measured) get an
+    of whose configurations were measured (trials COMPLETE, PRUNED, RUNNING, or FAIL: a configuration that ran out of
+    memory, crashed or timed out fails again; not one whose trial was interrupted, `interrupted`;
+    tuner.space.all_measured) get an
     acquisition of -inf, so TPE takes its best *new* candidate; when every candidate is old, one of the values not
     yet exhausted is drawn at random; a start-up (random) draw that repeats one is drawn again the same way. A space
     with every configuration measured gets a repeat (nothing new is left). Overrides TPE's private `_sample` and
@@ -135,9 +137,9 @@ def no_repeat_tpe(base: type) -> type:
 
         def before_trial(self, study: Any, trial: Any) -> None:
             super().before_trial(study, trial)
-            states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+            states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.FAIL)
             keys = (config_key(self._space, t.params) for t in study.get_trials(deepcopy=False, states=states)
-                    if t.number != trial.number)
+                    if t.number != trial.number and not interrupted(t))
             self._seen = {k for k in keys if k is not None}
 
         def fresh(self, known: dict[str, Any], search_space: dict[str, Any]) -> dict[str, Any] | None:
@@ -188,6 +190,12 @@ def no_repeat_tpe(base: type) -> type:
             return vals
 
     return NoRepeatTPE
+
+
+def interrupted(trial: Any) -> bool:
+    """A FAIL trial stopped from outside (its worker died or lost its heartbeat, Ctrl-C or SIGTERM to the search):
+    says nothing about its configuration, which may be proposed again. Every other failure is the configuration's."""
+    return trial.state.name == "FAIL" and str(trial.user_attrs.get("reason") or "").startswith("interrupted")
 
 
 def stale_trial_ids(study: Any) -> tuple[set[int], float | None]:
