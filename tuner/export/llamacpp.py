@@ -6,6 +6,8 @@ Flags were checked against that tree's generated server reference (tests/data/fl
 
 from __future__ import annotations
 
+from pathlib import PurePath
+
 from tuner.config import TrialConfig
 from tuner.export.common import (
     ADAPTIVE_DRAFT,
@@ -22,9 +24,9 @@ from tuner.export.common import (
     is_alias,
     model_name,
     same_tokenizer_note,
-    shell_script,
     vocab_differs,
 )
+from tuner.export.script import BIN, DIR, FILE, OUTPUT, VALUE, Param, Serving, export_script
 
 VERSION = "0c1e57098"
 ENGINE = f"llama.cpp @{VERSION}"
@@ -53,18 +55,28 @@ WHY = {
 }
 
 
-def _gguf_for(model: str, ctx: Context, gtype: str, key: str) -> tuple[str, list[list[str]], str]:
-    """The GGUF file to serve for `model` at `gtype`, the commands that make it, and where it comes from."""
-    out = f"{model_name(model)}-{gtype}.gguf"
+def _gguf_for(model: str, ctx: Context, gtype: str, key: str,
+              var: str) -> tuple[str, list[list[str]], str, list[Param]]:
+    """The GGUF file to serve for `model` at `gtype`, the commands that make it, where it comes from, and serve.sh's
+    parameters for them (`var` the source's, `var`_GGUF the made file's). A file tuner already made and served
+    (ctx.paths["served_" + key]) is the one named; the script makes it again where it is missing."""
+    out = ctx.paths.get(f"served_{key}") or f"{model_name(model)}-{gtype}.gguf"
+    what = "the model" if var == "MODEL" else f"the draft {model}"
+    made = Param(f"{var}_GGUF", out, f"{what} as GGUF {gtype}, made from {var} by the step below when missing "
+                                     "(llama-quantize is deterministic: the same bytes as the measured file)",
+                 OUTPUT, ctx.digests.get(f"served_{key}"), flag="-m" if var == "MODEL" else "-md")
     src = gguf_ref(model, ctx, key)
     if src:
         origin = (f"requantized from the alias's GGUF {src} (tuner also dequantized that file before applying the "
                   "format, so the lineage matches)" if is_alias(model) else f"requantized from {src}")
-        return out, [["llama-quantize", "--allow-requantize", src, out, gtype]], origin
+        return out, [["llama-quantize", "--allow-requantize", src, out, gtype]], origin, [
+            Param(var, src, f"{what}'s GGUF file ({PurePath(src).name})", FILE, ctx.digests.get(key)), made]
     f32 = f"{model_name(model)}-F32.gguf"
     cmds = [["python", "convert_hf_to_gguf.py", model, "--outtype", "f32", "--outfile", f32],
             ["llama-quantize", f32, out, gtype]]
-    return out, cmds, f"converted from {model} with convert_hf_to_gguf.py, then quantized"
+    params = [Param(var, model, f"{what}'s checkpoint directory", DIR, ctx.digests.get(key.replace("gguf", "model"))),
+              Param(f"{var}_F32", f32, f"{what} as float32 GGUF, made from {var} by the step below", OUTPUT), made]
+    return out, cmds, f"converted from {model} with convert_hf_to_gguf.py, then quantized", params
 
 
 def kv_ctx_tokens(config: TrialConfig, ctx: Context) -> tuple[int, str]:
@@ -80,6 +92,22 @@ def kv_ctx_tokens(config: TrialConfig, ctx: Context) -> tuple[int, str]:
 
 
 UBATCH_LOGICAL = 2048  # llama-server's default -b
+# llama-server reads the key from LLAMA_API_KEY when --api-key is not given, so it stays off the command line
+SERVING = Serving(port=8080, api_key_env="LLAMA_API_KEY",
+                  api_key_why="common/arg.cpp: --api-key ... set_env(LLAMA_API_KEY)")
+
+
+def binaries(prepare: list[list[str]]) -> list[Param]:
+    """serve.sh's binary parameters: llama-server, and the preparation steps' tools."""
+    params = [Param("LLAMA_SERVER", "llama-server", f"llama.cpp's llama-server (build {VERSION})", BIN)]
+    if any(cmd[0] == "llama-quantize" for cmd in prepare):
+        params.append(Param("LLAMA_QUANTIZE", "llama-quantize", f"llama.cpp's llama-quantize (build {VERSION})",
+                            BIN))
+    if any(cmd[0] == "python" for cmd in prepare):
+        params += [Param("PYTHON", "python", "a Python with llama.cpp's gguf-py requirements", BIN),
+                   Param("CONVERT_HF_TO_GGUF", "convert_hf_to_gguf.py",
+                         f"llama.cpp's convert_hf_to_gguf.py (source tree at {VERSION})", FILE)]
+    return params
 
 
 def export_native(config: TrialConfig, ctx: Context) -> Export:
@@ -87,8 +115,7 @@ def export_native(config: TrialConfig, ctx: Context) -> Export:
     notes = [engine_note(ctx, ENGINE, same=True)]
     draft = config.draft_spec
     gtype = config.quant
-    gguf, prepare, origin = _gguf_for(config.model, ctx, gtype, "gguf")
-    gguf = ctx.paths.get("served_gguf") or gguf  # the file tuner made with exactly these steps (its cache)
+    gguf, prepare, origin, params = _gguf_for(config.model, ctx, gtype, "gguf", "MODEL")
     notes.append(Note(MAPPED, "model", f"{config.model} -> -m {gguf}, {origin}"))
     notes.append(Note(MAPPED, "quant", f"{gtype} (llama-quantize {gtype})"))
     n = config.batch_cap
@@ -107,9 +134,9 @@ def export_native(config: TrialConfig, ctx: Context) -> Export:
         notes.append(Note(MAPPED, "draft", f"ngram:{draft.tokens} -> --spec-type ngram-simple, 2-gram lookup, "
                                            f"{draft.tokens} drafted tokens"))
     elif draft.kind == "draft":
-        dgguf, dprep, dorigin = _gguf_for(draft.model or "", ctx, gtype, "draft_gguf")
-        dgguf = ctx.paths.get("served_draft_gguf") or dgguf
+        dgguf, dprep, dorigin, dparams = _gguf_for(draft.model or "", ctx, gtype, "draft_gguf", "DRAFT")
         prepare += dprep
+        params += dparams
         argv += ["--spec-type", "draft-simple", "-md", dgguf, "--spec-draft-n-max", str(draft.tokens)]
         notes.append(Note(MAPPED, "draft", f"{draft} -> -md {dgguf} ({dorigin}), --spec-draft-n-max {draft.tokens}"))
     else:
@@ -124,8 +151,13 @@ def export_native(config: TrialConfig, ctx: Context) -> Export:
     argv += ["-ngl", "0"] + (["-ngld", "0"] if draft.kind == "draft" else [])
     notes.append(Note(MAPPED, "device", "cpu -> -ngl 0 (no layer offloaded to a GPU)"))
     notes.append(Note(INFO, "serving", "tuner adds only --host 127.0.0.1 --port <free port> when it launches this"))
-    files = {"serve.sh": shell_script(ENGINE, config, ctx, notes, argv, prepare)}
-    return Export("llamacpp", ENGINE, config, argv, {}, files, notes, prepare, ctx)
+    if ctx.ctx_tokens:
+        params.append(Param("CTX_TOKENS", str(c), "the KV cache in tokens (-c) as sized on the measuring machine "
+                                                  "(kv_fraction above): size it for this machine's memory",
+                            VALUE, flag="-c"))
+    params = binaries(prepare) + params
+    files = {"serve.sh": export_script(ENGINE, config, ctx, notes, argv, SERVING, params, prepare)}
+    return Export("llamacpp", ENGINE, config, argv, {}, files, notes, prepare, ctx, tuple(params))
 
 
 def export(config: TrialConfig, ctx: Context | None = None) -> Export:
@@ -137,7 +169,7 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
     q = config.quant
     gtype = GGUF_TYPE[q]
 
-    gguf, prepare, origin = _gguf_for(config.model, ctx, gtype, "gguf")
+    gguf, prepare, origin, params = _gguf_for(config.model, ctx, gtype, "gguf", "MODEL")
     notes.append(Note(MAPPED, "model", f"{config.model} -> -m {gguf}, {origin}"))
     notes.append(Note(MAPPED if q in ("fp32", "bf16", "fp16") else APPROX, "quant",
                       f"{q} -> GGUF {gtype} (llama-quantize {gtype}): {WHY[q]}"))
@@ -176,8 +208,9 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
                                             "draft at start-up (common/speculative.cpp), so no -md is set"))
     elif draft.kind == "draft":
         dtype = "F32" if q == "fp32" else "BF16"  # tuner loads the assistant unquantized at the compute dtype
-        dgguf, dprep, dorigin = _gguf_for(draft.model or "", ctx, dtype, "draft_gguf")
+        dgguf, dprep, dorigin, dparams = _gguf_for(draft.model or "", ctx, dtype, "draft_gguf", "DRAFT")
         prepare += dprep
+        params += dparams
         argv += ["--spec-type", "draft-simple", "-md", dgguf, "--spec-draft-n-max", str(draft.tokens)]
         notes.append(Note(MAPPED, "draft", f"{draft} -> --spec-type draft-simple -md {dgguf} "
                                            f"--spec-draft-n-max {draft.tokens}; the draft is {dorigin}, as {dtype} "
@@ -198,5 +231,6 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
         notes.append(Note(INFO, "device", f"auto (measured on {measured}): -ngl left at its default (auto: "
                                           "offload what fits to the GPU of a GPU build)"))
 
-    files = {"serve.sh": shell_script(ENGINE, config, ctx, notes, argv, prepare)}
-    return Export("llamacpp", ENGINE, config, argv, {}, files, notes, prepare, ctx)
+    params = binaries(prepare) + params
+    files = {"serve.sh": export_script(ENGINE, config, ctx, notes, argv, SERVING, params, prepare)}
+    return Export("llamacpp", ENGINE, config, argv, {}, files, notes, prepare, ctx, tuple(params))

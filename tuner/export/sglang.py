@@ -24,12 +24,14 @@ from tuner.export.common import (
     hf_ref,
     memory_fraction,
     same_tokenizer_note,
-    shell_script,
     vocab_differs,
 )
+from tuner.export.script import BIN, Param, Serving, export_script, model_params
 
 VERSION = "0.5.23"
 ENGINE = f"SGLang {VERSION}"
+# SGLang takes the key as --api-key only (server_args.py has no variable for it)
+SERVING = Serving(port=30000, api_key_flag="--api-key")
 
 
 def export(config: TrialConfig, ctx: Context | None = None) -> Export:
@@ -37,6 +39,7 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
     notes = [engine_note(ctx, ENGINE, same=False)]
     prepare: list[list[str]] = []
     draft = config.draft_spec
+    dmodel = None
     q = config.quant
 
     model, note = gptq_ref(config.model, ctx) if q == "gptq-int4" else hf_ref(config.model, ctx)
@@ -133,5 +136,7 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
                                           "accelerator it finds"))
 
     argv = ["python", "-m", "sglang.launch_server", "--model-path", model, *args]
-    files = {"serve.sh": shell_script(ENGINE, config, ctx, notes, argv, prepare)}
-    return Export("sglang", ENGINE, config, argv, {}, files, notes, prepare, ctx)
+    params = [Param("PYTHON", "python", f"the Python of an SGLang {VERSION} environment", BIN),
+              *model_params(ctx, model, prepare, config.quant, dmodel if draft.kind == "draft" else None)]
+    files = {"serve.sh": export_script(ENGINE, config, ctx, notes, argv, SERVING, params, prepare)}
+    return Export("sglang", ENGINE, config, argv, {}, files, notes, prepare, ctx, tuple(params))

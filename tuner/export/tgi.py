@@ -26,8 +26,8 @@ from tuner.export.common import (
     header_lines,
     hf_ref,
     memory_fraction,
-    shell_script,
 )
+from tuner.export.script import BIN, Param, Serving, export_script, model_params
 
 VERSION = "3.3.7"
 ENGINE = f"TGI {VERSION}"
@@ -36,6 +36,9 @@ QUANTIZE = {"bnb-int8": "bitsandbytes", "bnb-nf4": "bitsandbytes-nf4", "bnb-fp4"
             "gptq-int4": "gptq"}
 DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 TGI_SAFETY = 0.90  # TGI uses cuda_memory_fraction x 0.90 of the device
+# the launcher reads the key from API_KEY (clap `env`, launcher/src/main.rs) and its address from --hostname
+SERVING = Serving(port=3000, host_flag="--hostname", api_key_env="API_KEY",
+                  api_key_why="launcher/src/main.rs: api_key, #[clap(long, env)]")
 
 
 def env_name(flag: str) -> str:
@@ -126,5 +129,7 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
                                f"--env-file tgi.env {IMAGE}",
                                "(a local --model-id must be a path inside the container, e.g. under /data)"])
     env_text += "".join(f"{k}={v}\n" for k, v in env.items())
-    files = {"serve.sh": shell_script(ENGINE, config, ctx, notes, argv), "tgi.env": env_text}
-    return Export("tgi", ENGINE, config, argv, env, files, notes, [], ctx)
+    params = [Param("TGI_LAUNCHER", "text-generation-launcher", f"TGI {VERSION}'s text-generation-launcher", BIN),
+              *model_params(ctx, model, [], q, None)]
+    files = {"serve.sh": export_script(ENGINE, config, ctx, notes, argv, SERVING, params), "tgi.env": env_text}
+    return Export("tgi", ENGINE, config, argv, env, files, notes, [], ctx, tuple(params))

