@@ -68,6 +68,7 @@ from tuner.stats import (
     attainment_verdict,
     bound_verdict,
     combine_verdicts,
+    effective_n,
     min_samples_to_meet,
     proportion_bounds,
 )
@@ -77,14 +78,19 @@ from tuner.workload import Request, with_arrivals
 
 @dataclass(frozen=True)
 class CapacityOptions:
+    """Every capacity setting and its default: the one home (`tuner bench` flags, a search's trials and its space
+    file's `capacity:` section read their defaults from here)."""
+
     slo: SLO
-    probe_requests: tuple[int, int] = (30, 120)  # first pass, cap after pooling more at an undecided rate
-    max_probes: int = 6  # open-loop probes (the saturation probe not counted)
-    max_requests: int = 600  # the rate probes together (the warm-up and saturation, sized by the batch cap, come on
-    # top: a server with 128 slots needs its 128-request warm-up and a saturation beyond 128 in flight)
-    max_wall_s: float = 900.0  # no new probe starts past this (a started probe may run to its own time limit)
+    probe_requests: tuple[int, int] = (30, 120)  # a probe's first pass (at least what its percentile needs), and
+    # its cap after one more pass at an undecided rate
+    max_probes: int = 5  # open-loop probes (the saturation probe not counted); the lower bound's alpha is spent
+    # over all of them
+    max_requests: int = 600  # the rate probes together, lead-ins included (the warm-up and saturation, sized by the
+    # batch cap, come on top: a server with 128 slots needs its 128-request warm-up and a saturation beyond 128)
+    max_wall_s: float = 600.0  # no new probe starts past this (a started probe may run to its own time limit)
     tolerance: float = 0.1  # stop when (high - low) <= tolerance * high
-    ramp_fraction: float = 0.1
+    ramp_fraction: float = 0.1  # a probe's lead-in is at least this share of its measured requests
     arrival: str = "poisson"
     seed: int = 0
     saturation_requests: int | None = None  # most the saturation probe sends; default 2 x (in-flight + steady_count)
@@ -120,25 +126,40 @@ class CapacityOptions:
         # configuration), one full turnover of the in-flight requests on wide batch caps
         return max(CapacityOptions.saturation_in_flight(batch_cap), 32)
 
+    def look_confidence(self) -> float:
+        """The confidence of each look: every rate probe may look `LOOKS_PER_PROBE` times (its first pass, one more
+        at an undecided rate), and each end of the capacity interval is one-sided at half the SLO's alpha, spent
+        over all `max_probes` x `LOOKS_PER_PROBE` looks (Bonferroni): the interval holds at the SLO's confidence
+        whichever probe and look decided each end."""
+        alpha = 1.0 - self.slo.confidence
+        return 1.0 - alpha / (2 * self.max_probes * LOOKS_PER_PROBE)
+
+    def stop_confidence(self) -> float:
+        """A probe's early stop tests after every completion, up to its cap: each check at the look's alpha divided
+        by the checks it may make."""
+        return 1.0 - (1.0 - self.look_confidence()) / self.probe_requests[1]
+
     def pool_size(self, batch_cap: int, measurements: int = 1) -> int:
         """Prompts `measurements` capacity measurements may send, each once: warm-up, saturation, the rate probes'
-        budget and the last probe's overshoot (a probe that starts under budget may take its full cap plus its
-        ramp); `measure_capacity` may measure twice."""
-        last = math.ceil(self.probe_requests[1] * (1 + self.ramp_fraction)) + 1
+        budget and the last probe's overshoot (a probe that starts under budget may take its full cap plus a
+        lead-in per pass, each at most the cap); `measure_capacity` may measure twice."""
+        last = (LOOKS_PER_PROBE + 1) * self.probe_requests[1]
         one = self.warmup_count(batch_cap) + self.saturation_count(batch_cap) + self.max_requests + last
         return measurements * one
 
 
 # ------------------------------------------------------------------------------------- probe verdicts --- #
 def request_values(results: Sequence[RequestResult], metric: str) -> list[float]:
-    """Per-request values of a metric for a verdict: failed requests count as infinitely late; ITL pools every
-    chunk gap (one infinite gap for a failed request); a TPOT-less request (one token) is left out."""
+    """Per-request values of a metric for a verdict, in the results' order: failed requests count as infinitely
+    late; ITL gives each request's own mean gap (the unit of evidence is a request: the gaps of one request share
+    its batch and are not independent); a request without the metric (one token: no TPOT, no gap) is left out."""
     out: list[float] = []
     for r in results:
         if not r.ok:
             out.append(math.inf)
         elif metric == "itl":
-            out.extend(r.itl_ms)
+            if r.itl_ms:
+                out.append(sum(r.itl_ms) / len(r.itl_ms))
         else:
             v = r.tpot_ms if metric == "tpot" else getattr(r, f"{metric}_ms")
             if v is not None:
@@ -146,20 +167,37 @@ def request_values(results: Sequence[RequestResult], metric: str) -> list[float]
     return out
 
 
-def judge(results: Sequence[RequestResult], slo: SLO) -> dict[str, Any]:
-    """Verdict of one probe's (steady-state) requests against every SLO term."""
+def term_verdict(results: Sequence[RequestResult], b: Bound, confidence: float) -> str:
+    """One SLO bound's verdict. A percentile of ITL (vLLM's pooled gaps) is judged per request: each request's share
+    of gaps within the limit (0 for a failed request), their sum against the number of requests -- n is the requests,
+    not the gaps, which would count one request's correlated gaps as independent evidence."""
+    if b.metric == "itl" and b.stat != "mean":
+        shares = [0.0 if not r.ok else sum(g <= b.limit_ms for g in r.itl_ms) / len(r.itl_ms)
+                  for r in results if not r.ok or r.itl_ms]
+        if not shares:
+            return INDETERMINATE
+        return attainment_verdict(sum(shares), len(shares), float(b.stat[1:]) / 100, confidence)
+    return bound_verdict(request_values(results, b.metric), b.stat, b.limit_ms, confidence)
+
+
+def judge(results: Sequence[RequestResult], slo: SLO, confidence: float | None = None) -> dict[str, Any]:
+    """Verdict of one probe's (steady-state) requests, in send order, against every SLO term, each at `confidence`
+    (default: the SLO's; the capacity search passes its per-look confidence). The requests of one probe share a
+    queue and are not independent: the search makes each probe span several relaxation times of that queue
+    (`CapacitySearch.window`) before its verdict may be `meets`."""
+    conf = slo.confidence if confidence is None else confidence
     terms: dict[str, Any] = {}
     verdicts = []
     for b in slo.bounds:
-        v = bound_verdict(request_values(results, b.metric), b.stat, b.limit_ms, slo.confidence)
+        v = term_verdict(results, b, conf)
         terms[str(b)] = v
         verdicts.append(v)
     out: dict[str, Any] = {"terms": terms, "attainment": None, "attainment_ci": None}
     if slo.targets_ms:
         good = sum(meets_slo(r, slo.targets) for r in results)
         n = len(results)
-        v = attainment_verdict(good, n, slo.attainment, slo.confidence)
-        lo, hi = proportion_bounds(good, n, slo.confidence)
+        v = attainment_verdict(good, n, slo.attainment, conf)
+        lo, hi = proportion_bounds(good, n, conf)
         out.update(attainment=good / n if n else None, attainment_ci=[lo, hi])
         terms[f"attainment>={slo.attainment:g}"] = v
         verdicts.append(v)
@@ -167,10 +205,14 @@ def judge(results: Sequence[RequestResult], slo: SLO) -> dict[str, Any]:
     return out
 
 
-def certain_miss(slo: SLO, ramp: int) -> Callable[[list[RequestResult], int], str | None] | None:
+def certain_miss(slo: SLO, ramp: int, confidence: float | None = None
+                 ) -> Callable[[list[RequestResult], int], str | None] | None:
     """Early stop for a probe: stop once a term is `misses` even if every request still to finish met the SLO
     perfectly, so the cut never changes the verdict. Only per-request terms (percentiles of ttft/tpot/e2e and the
-    attainment) can be decided this way; a mean or an ITL bound waits for the whole probe."""
+    attainment) can be decided this way; a mean or an ITL bound waits for the whole probe. The test is re-run after
+    every completion: `confidence` is per check (the capacity search divides its per-look alpha by the checks a
+    probe may make)."""
+    conf = slo.confidence if confidence is None else confidence
     bounds = [b for b in slo.bounds if b.stat != "mean" and b.metric != "itl"]
     if not bounds and not slo.targets_ms:
         return None
@@ -182,10 +224,10 @@ def certain_miss(slo: SLO, ramp: int) -> Callable[[list[RequestResult], int], st
             return None
         padded = steady + [best] * max(0, total - ramp - len(steady))
         missed = [str(b) for b in bounds
-                  if bound_verdict(request_values(padded, b.metric), b.stat, b.limit_ms, slo.confidence) == MISSES]
+                  if bound_verdict(request_values(padded, b.metric), b.stat, b.limit_ms, conf) == MISSES]
         if slo.targets_ms:
             good = sum(meets_slo(r, slo.targets) for r in padded)
-            if attainment_verdict(good, len(padded), slo.attainment, slo.confidence) == MISSES:
+            if attainment_verdict(good, len(padded), slo.attainment, conf) == MISSES:
                 missed.append(f"attainment>={slo.attainment:g}")
         if missed:
             return f"{', '.join(missed)} missed with confidence after {len(steady)} of {total - ramp} requests"
@@ -194,17 +236,64 @@ def certain_miss(slo: SLO, ramp: int) -> Callable[[list[RequestResult], int], st
     return should_stop
 
 
+def unsteady(results: Sequence[RequestResult], slo: SLO) -> str | None:
+    """Why a probe's measured requests were not in steady state, or None: the SLO's statistic of a metric it bounds
+    rose from the probe's first half (by send time) to its second by more than `STEADY_RISE` of itself and of the
+    SLO's limit (a rise of a few ms far below a limit of seconds is no queue that matters), and a one-sided
+    Mann-Whitney test says the second half's values are larger (p < `STEADY_P`): the queue was still building when
+    the probe ended, so the latencies it measured are better than the rate sustains. Too few requests (< 2 x
+    `STEADY_MIN`) to compare: None."""
+    import numpy as np
+    from scipy.stats import mannwhitneyu, norm
+
+    ordered = sorted(results, key=lambda r: r.send_s)
+    half = len(ordered) // 2
+    if half < STEADY_MIN:
+        return None
+    checks = [(b.metric, 0.5 if b.stat == "mean" else float(b.stat[1:]) / 100, b.limit_ms) for b in slo.bounds]
+    checks += [(key.removesuffix("_ms"), float(slo.attainment), limit) for key, limit in slo.targets_ms]
+    for metric, q, limit in checks:
+        first = request_values(ordered[:half], metric)
+        second = request_values(ordered[half:], metric)
+        if len(first) < STEADY_MIN or len(second) < STEADY_MIN:
+            continue
+        v1, v2 = (float(np.quantile(np.asarray(x), q, method="inverted_cdf")) for x in (first, second))
+        if not (v2 > v1 * (1 + STEADY_RISE) and v2 - v1 > STEADY_RISE * limit):
+            continue
+        fin = [x if math.isfinite(x) else 1e300 for x in first], [x if math.isfinite(x) else 1e300 for x in second]
+        # the halves' values are correlated in time: the test's z shrinks by sqrt(n_eff / n) (its variance grows
+        # by the autocorrelation time, taken around the trend), so a slow stretch that a stable queue recovers from
+        # is not read as a trend
+        z = float(norm.isf(mannwhitneyu(fin[1], fin[0], alternative="greater").pvalue))
+        both = first + second
+        p = float(norm.sf(z * math.sqrt(effective_n(both, detrend=True) / len(both))))
+        if p < STEADY_P:
+            shown = f"{v2:.0f} ms" if math.isfinite(v2) else "failures"
+            return (f"{metric} p{q * 100:g} rose from {v1:.0f} ms in the probe's first half to {shown} in its second "
+                    f"(n={len(first)}, {len(second)}; Mann-Whitney p={p:.2g}): the queue was still building")
+    return None
+
+
 # ----------------------------------------------------------------------------------------- the search --- #
 def finish_s(r: RequestResult) -> float:
     """When a request finished (seconds from the run's start)."""
     return r.send_s + (r.e2e_ms or 0.0) / 1e3
 
 
+def steady_duration_s(results: Sequence[RequestResult]) -> float:
+    """A pass's measured span: from its first measured request's send (not the lead-in's first) to the last measured
+    completion -- the throughput at a rate counts only the requests it measured over the time they took."""
+    ends = [finish_s(r) for r in results if r.ok]
+    if not results or not ends:
+        return 0.0
+    return max(ends) - min(r.send_s for r in results)
+
+
 def probe_summary(rate: float | None, results: list[RequestResult], duration_s: float, slo: SLO,
-                  ramp: int) -> dict[str, Any]:
+                  ramp: int, confidence: float | None = None) -> dict[str, Any]:
     steady = [r for r in results if r.index >= ramp]
     m = compute_metrics(steady, duration_s, slo.targets or None)
-    j = judge(steady, slo)
+    j = judge(steady, slo, confidence)
     return {"rate_rps": rate, "n": len(steady), "ramp": ramp, "achieved_rps": m["requests_per_s"],
             "output_tokens_per_s": m["output_tokens_per_s"], "goodput_requests_per_s": m.get("goodput_requests_per_s"),
             "ttft_ms": m["ttft_ms"], "tpot_ms": m["tpot_ms"], "e2e_ms": m["e2e_ms"], "itl_ms": m["itl_ms"],
@@ -231,6 +320,7 @@ class CapacitySearch:
         self.results_at: dict[float, list[RequestResult]] = {}
         self.cursor = start  # prompts of the pool already sent (a re-measure starts past the first measurement's)
         self.canaries: list[dict[str, Any]] = []
+        self.sat_rps = 0.0  # the saturation probe's steady completion rate, once measured
         self.marks: list[tuple[str, Snapshot]] = []  # the host's CPU accounting at the end of each step
 
     def mark(self, step: str) -> None:
@@ -332,41 +422,94 @@ class CapacitySearch:
                 "errors": m["errors"], "ttft_ms": m["ttft_ms"], "tpot_ms": m["tpot_ms"], "e2e_ms": m["e2e_ms"],
                 "itl_ms": m["itl_ms"], "dispatch_lag_ms": m["dispatch_lag_ms"], "duration_s": load.duration_s}
 
-    def probe(self, rate: float) -> dict[str, Any]:
-        """One rate: a first pass, then more requests (pooled) while undecided, up to the per-probe cap."""
+    def lead_in(self, rate: float, n: int) -> int | None:
+        """Arrivals sent at `rate` before a pass's measured requests, so the pass measures the queue that rate
+        builds, not an idle engine draining it: one relaxation time of the engine seen as one server of the
+        saturation rate mu at utilisation rho = rate / mu, scaled by the variability of arrivals and service as in
+        the heavy-traffic (diffusion) approximation: ((ca^2 + cs^2) / 2) / (mu (1 - sqrt(rho))^2) -- M/M/1's time
+        constant of the approach to steady state from empty when ca = cs = 1 (`variability`) -- and at least
+        `ramp_fraction` of the pass. Poisson arrivals and 24:48 output tokens: 23 arrivals at 0.75 x mu, 58 at
+        0.83, 188 at 0.9, 555 at 0.94. None when it exceeds the probe's cap: so close to saturation that no probe
+        within the budget reaches the steady state, and the rate is not claimed."""
+        rho = rate / self.sat_rps
+        if rho >= 1.0:
+            return None
+        lead = max(1, math.ceil(self.o.ramp_fraction * n), math.ceil(rate * self.relax_s(rate)))
+        return lead if lead <= self.o.probe_requests[1] and self.window(rate) <= self.o.probe_requests[1] else None
+
+    def window(self, rate: float) -> int:
+        """Measured requests a probe needs at `rate` before it may say `meets`: `WINDOW_RELAX` relaxation times of
+        the queue. Latencies within one relaxation time rise and fall together (a burst makes its neighbours late
+        too), so a shorter window is one draw of the queue, however many requests it holds; over several, the
+        share within the SLO is close to the steady state's."""
+        rho = rate / self.sat_rps
+        if rho >= 1.0:
+            return math.inf  # type: ignore[return-value]
+        return math.ceil(WINDOW_RELAX * rate * self.relax_s(rate))
+
+    def relax_s(self, rate: float) -> float:
+        rho = rate / self.sat_rps
+        return self.variability() / (self.sat_rps * (1.0 - math.sqrt(rho)) ** 2)
+
+    def variability(self) -> float:
+        """(ca^2 + cs^2) / 2: ca^2 = 1 for Poisson arrivals (a trace's too, unknown), 0 for constant ones; cs^2 the
+        squared coefficient of variation of the requests' output lengths (decoding dominates a request's service),
+        at least `MIN_SERVICE_CV2` for the engine's own step-time noise."""
+        ca2 = 0.0 if self.o.arrival == "constant" else 1.0
+        outs = [r.max_tokens for r in self.pool[:2000]]
+        mean = statistics.fmean(outs) if outs else 0.0
+        cs2 = statistics.pvariance(outs) / mean ** 2 if mean > 0 and len(outs) > 1 else 0.0
+        return (ca2 + max(cs2, MIN_SERVICE_CV2)) / 2.0
+
+    def first_pass(self, rate: float | None = None) -> int:
         first, cap = self.o.probe_requests
-        need = self.min_needed()
-        n = min(max(first, need), cap)
+        return min(max(first, self.min_needed(), self.window(rate) if rate and self.sat_rps else 0), cap)
+
+    def probe(self, rate: float, lead: int) -> dict[str, Any]:
+        """One rate: a pass of `lead` arrivals (left out) then `first_pass()` measured ones, and while undecided one
+        more pass (its own lead-in) up to the cap, pooled: at most `LOOKS_PER_PROBE` looks, each at the per-look
+        confidence. A pass whose latencies still rose from its first half to its second (`unsteady`) is not
+        steady: the probe cannot be `meets` (it says `indeterminate`, with the reason)."""
+        cap = self.o.probe_requests[1]
+        conf = self.o.look_confidence()
+        n = self.first_pass(rate)
         pooled: list[RequestResult] = []
         duration = 0.0
-        ramp_total = 0
+        leads = 0
         stopped = None
+        why_unsteady = None
         offset = 0
-        while True:
-            ramp = max(1, math.ceil(self.o.ramp_fraction * n))
-            batch = self.take(n + ramp)
+        for _look in range(LOOKS_PER_PROBE):
+            batch = self.take(lead + n)
             reqs = with_arrivals(batch, rate, self.o.arrival, self.o.seed + offset)
             span = (reqs[-1].arrival_s or 0.0) if reqs else 0.0
             load = self.run(reqs, concurrency=None, timeout_s=2.0 * span + 60.0,
-                            should_stop=certain_miss(self.o.slo, ramp))
+                            should_stop=certain_miss(self.o.slo, lead, self.o.stop_confidence()))
             self.requests_used += len(reqs)
             self.probe_requests_used += len(reqs)
             offset += len(reqs)
-            ramp_total += ramp
-            duration += load.duration_s
-            pooled += [r for r in load.results if r.index >= ramp]
+            leads += lead
+            measured = [r for r in load.results if r.index >= lead]
+            duration += steady_duration_s(measured)
+            pooled += measured
             stopped = load.stopped_reason
-            verdict = judge(pooled, self.o.slo)["verdict"]
-            if verdict != INDETERMINATE or stopped or len(pooled) >= cap or self.out_of_budget(n / rate):
+            why_unsteady = why_unsteady or (None if stopped else unsteady(measured, self.o.slo))
+            verdict = judge(pooled, self.o.slo, conf)["verdict"]
+            if (verdict != INDETERMINATE or stopped or why_unsteady or len(pooled) >= cap
+                    or self.out_of_budget((lead + n) / rate)):
                 break
-            n = min(len(pooled), cap - len(pooled))  # double the sample, up to the cap
+            n = cap - len(pooled)
         for i, r in enumerate(pooled):
-            r.index = i + 1  # renumbered: the pooled set has no ramp left in it
-        summary = probe_summary(rate, pooled, duration, self.o.slo, ramp=0)
-        summary.update(ramp=ramp_total, stopped_early=stopped, sent=offset)
+            r.index = i + 1  # renumbered: the pooled set has no lead-in left in it
+        summary = probe_summary(rate, pooled, duration, self.o.slo, ramp=0, confidence=conf)
+        summary.update(ramp=leads, stopped_early=stopped, sent=offset)
+        if why_unsteady:
+            summary["unsteady"] = why_unsteady
+            if summary["verdict"] == MEETS:
+                summary["verdict"] = INDETERMINATE
         self.probes.append(summary)
-        self.log(f"probe {rate:.3f} req/s: n={summary['n']} -> {summary['verdict']}"
-                 + (f" ({stopped})" if stopped else ""))
+        self.log(f"probe {rate:.3f} req/s: n={summary['n']} (+{leads} lead-in) -> {summary['verdict']}"
+                 + (f" ({stopped})" if stopped else "") + (f" ({why_unsteady})" if why_unsteady else ""))
         return summary
 
     def min_needed(self) -> int:
@@ -374,11 +517,16 @@ class CapacitySearch:
         qs = [float(b.stat[1:]) / 100 for b in self.o.slo.bounds if b.stat != "mean"]
         if self.o.slo.targets_ms:
             qs.append(float(self.o.slo.attainment))
-        return max((min_samples_to_meet(q, self.o.slo.confidence) for q in qs), default=5)
+        return max((min_samples_to_meet(q, self.o.look_confidence()) for q in qs), default=5)
 
     def first_probe_s(self, saturation_rps: float) -> float:
-        """How long the first rate probe's first pass takes (it starts at FIRST_PROBE x the saturation rate)."""
-        return self.o.probe_requests[0] / (FIRST_PROBE * saturation_rps)
+        """How long the first rate probe's first pass takes (it starts at FIRST_PROBE x the saturation rate), its
+        lead-in included."""
+        n = self.first_pass()
+        rate = FIRST_PROBE * saturation_rps
+        relax = self.variability() / (saturation_rps * (1.0 - math.sqrt(FIRST_PROBE)) ** 2)
+        lead = max(1, math.ceil(self.o.ramp_fraction * n), math.ceil(rate * relax))
+        return (min(lead, self.o.probe_requests[1]) + n) / rate
 
     def out_of_budget(self, next_probe_s: float = 0.0) -> bool:
         left = self.o.max_wall_s - (self.clock() - self.t0)
@@ -391,14 +539,16 @@ class CapacitySearch:
 
         o = self.o
         need = self.min_needed()
+        look = o.look_confidence()
         if need > o.probe_requests[1]:
             hard = [str(b) for b in o.slo.bounds if b.stat != "mean"
-                    and min_samples_to_meet(float(b.stat[1:]) / 100, o.slo.confidence) > o.probe_requests[1]]
-            if o.slo.targets_ms and min_samples_to_meet(o.slo.attainment, o.slo.confidence) > o.probe_requests[1]:
+                    and min_samples_to_meet(float(b.stat[1:]) / 100, look) > o.probe_requests[1]]
+            if o.slo.targets_ms and min_samples_to_meet(o.slo.attainment, look) > o.probe_requests[1]:
                 hard.append(f"attainment {o.slo.attainment:g}")
             self.notes.append(
                 f"{', '.join(hard)} needs at least {need} requests per probe for a 'meets' at "
-                f"{o.slo.confidence:.0%} confidence, but a probe may use {o.probe_requests[1]}: no rate can be shown "
+                f"{o.slo.confidence:.0%} confidence over the search's {o.max_probes * LOOKS_PER_PROBE} looks "
+                f"({look:.4f} each), but a probe may use {o.probe_requests[1]}: no rate can be shown "
                 f"to meet it. Raise --probe-requests to {need} or more, or judge a lower percentile / attainment.")
         self.mark("")
         warm = self.warm_up()
@@ -412,30 +562,47 @@ class CapacitySearch:
         if sat["completed"] == 0 or not sat["requests_per_s"]:
             raise RuntimeError(f"no request completed in the saturation probe: "
                                f"{sat['errors'][0] if sat['errors'] else 'no tokens'}")
+        self.sat_rps = sat["requests_per_s"]
         high = sat["requests_per_s"]  # an open-loop rate above the service rate is not sustainable
         low = 0.0
         low_probe: dict[str, Any] | None = None
         rate = FIRST_PROBE * high
         floor = high / 64.0
-        while len(self.probes) < o.max_probes and not self.out_of_budget(o.probe_requests[0] / rate):
-            p = self.probe(rate)
-            self.canary(f"after the {rate:.3g} req/s probe")
-            if p["verdict"] == MEETS:
-                low, low_probe = rate, p
+        unreached: list[float] = []  # rates too close to saturation for a probe to reach their steady state
+        while len(self.probes) < o.max_probes:
+            n = self.first_pass(rate)
+            lead = self.lead_in(rate, n)
+            if lead is None:
+                unreached.append(rate)
+                high = rate  # the search's bracket, not the interval: nothing was shown to miss here
+            elif self.out_of_budget((lead + n) / rate):
+                self.notes.append(f"capacity budget spent ({self.requests_used} requests, "
+                                  f"{self.clock() - self.t0:.0f} s): the bracket is wider than {o.tolerance:.0%}")
+                break
             else:
-                high = rate
-                if p["verdict"] == INDETERMINATE:
-                    self.notes.append(f"{rate:.3g} req/s stayed indeterminate after {p['n']} requests: "
-                                      "counted as not shown to meet the SLO")
+                p = self.probe(rate, lead)
+                self.canary(f"after the {rate:.3g} req/s probe")
+                if p["verdict"] == MEETS:
+                    low, low_probe = rate, p
+                else:
+                    high = rate
+                    if p["verdict"] == INDETERMINATE:
+                        self.notes.append(f"{rate:.3g} req/s stayed indeterminate after {p['n']} requests"
+                                          + (f" ({p['unsteady']})" if p.get("unsteady") else "")
+                                          + ": counted as not shown to meet the SLO")
             if low > 0 and high - low <= o.tolerance * high:
                 break
             rate = (low + high) / 2.0 if low > 0 else rate / 2.0
             if rate < floor:
                 break
-        else:
-            if len(self.probes) < o.max_probes:
-                self.notes.append(f"capacity budget spent ({self.requests_used} requests, "
-                                  f"{self.clock() - self.t0:.0f} s): the bracket is wider than {o.tolerance:.0%}")
+        if unreached:
+            r = min(unreached)
+            self.notes.append(
+                f"{r:.3g} req/s and above not probed: at {r / self.sat_rps:.0%} of the saturation rate the queue needs "
+                f"about {math.ceil(r * self.relax_s(r))} arrivals to reach its steady state and "
+                f"{self.window(r)} measured ones to span {WINDOW_RELAX:g} relaxation times, more than a probe's "
+                f"{o.probe_requests[1]}; a short probe there measures an engine that has not queued yet, or one "
+                "draw of its queue (raise --probe-requests to claim rates closer to saturation)")
         canary = engine_drift(self.canaries, self.notes)
         self.mark("the last canary")
         host = load_by_step(self.marks, self.notes)
@@ -467,7 +634,10 @@ class CapacitySearch:
             "min_requests_to_meet": need,
             "method": {"probe_requests": list(o.probe_requests), "max_probes": o.max_probes,
                        "tolerance": o.tolerance, "ramp_fraction": o.ramp_fraction, "arrival": o.arrival,
-                       "confidence": o.slo.confidence},
+                       "confidence": o.slo.confidence, "looks": o.max_probes * LOOKS_PER_PROBE,
+                       "look_confidence": look,
+                       "interval": "each end one-sided at half the alpha, spent over every probe and look "
+                                   "(Bonferroni); lead-in by the relaxation time; unsteady probes not claimed"},
         })
         return out
 
@@ -532,7 +702,7 @@ def disturbance(result: dict[str, Any]) -> float:
 def disturbed(result: dict[str, Any]) -> str | None:
     """Why a measurement deserves a second one, or None."""
     drift, busy = conditions(result)
-    if drift is not None and abs(drift) > DRIFT_NOTE:
+    if drift is not None and abs(drift) > result["canary"].get("threshold", DRIFT_NOTE):
         return f"the engine's speed moved {drift:+.0%}"
     if busy is not None and busy > HOST_BUSY:
         return f"the host was busy ({busy:.0%} taken by others during {result['host']['busiest']['step']})"
@@ -546,29 +716,40 @@ def describe_conditions(result: dict[str, Any]) -> str:
 
 
 FIRST_PROBE = 0.75  # the first rate probed, as a share of the saturation rate
+LOOKS_PER_PROBE = 2  # a probe's first pass, and one more pass while undecided
+STEADY_RISE = 0.25  # a probe's second half worse than its first by more than this share of it and of the limit ...
+STEADY_P = 0.05  # ... with a one-sided Mann-Whitney p below this: the queue was still building
+STEADY_MIN = 8  # requests per half at least for that comparison
+WINDOW_RELAX = 3.0  # relaxation times a probe's measured requests span at least
+MIN_SERVICE_CV2 = 0.1  # the least squared coefficient of variation of a request's service time a lead-in assumes
 MIN_STEADY = 8  # completions the saturation's steady window needs even on a slow engine
-DRIFT_NOTE = 0.10  # a move of the engine's own speed during one measurement worth saying
+DRIFT_NOTE = 0.10  # the least move of the engine's own speed during one measurement worth saying
+CANARY_NOISE_K = 3.0  # a canary move past this many robust spreads of the measurement's canaries is the engine's
 CANARY_RUNS = 3  # requests per canary at least (their gaps pooled); the batch cap's worth on wider engines
 CANARY_TOKENS = 16  # output tokens per canary request at most (15 gaps each; a canary runs after every step)
 
 
 def engine_drift(canaries: list[dict[str, Any]], notes: list[str]) -> dict[str, Any]:
     """The canaries of one measurement (`CapacitySearch.canary`, in order), with `drift` = the largest move of the
-    engine's speed from its median over the measurement (median ITL / that ITL - 1: negative = slower then) and a
-    note when it moved by more than `DRIFT_NOTE`. (The first canary as the reference carried its own noise into
-    every comparison: three quiet runs moved 8, 9 and 14% from their first canary, 7, 6 and 11% from the median.)"""
+    engine's speed from its median over the measurement (median ITL / that ITL - 1: negative = slower then), and
+    `threshold`, the move worth a note and a re-measure, set from the canaries' own noise: `CANARY_NOISE_K` x their
+    robust spread (1.4826 x the median |move|, which one moved canary does not inflate), never below `DRIFT_NOTE`.
+    (The first canary as the reference carried its own noise into every comparison: three quiet runs moved 8, 9
+    and 14% from their first canary, 7, 6 and 11% from the median; a fixed 10% re-measured most quiet runs.)"""
     out: dict[str, Any] = {"itl_ms": [c["itl_ms"] for c in canaries], "n": [c["n"] for c in canaries],
-                           "at": [c["at"] for c in canaries], "drift": None}
+                           "at": [c["at"] for c in canaries], "drift": None, "threshold": DRIFT_NOTE}
     steps = [c["itl_ms"] for c in canaries if c["itl_ms"]]
     typical = statistics.median(steps) if len(steps) >= 2 else None
     moves = [(typical / c["itl_ms"] - 1, c) for c in canaries if typical and c["itl_ms"]]
     if moves:
+        spread = 1.4826 * statistics.median(abs(m) for m, _ in moves)
+        out["threshold"] = max(DRIFT_NOTE, CANARY_NOISE_K * spread)
         out["drift"], worst = max(moves, key=lambda m: abs(m[0]))
-        if abs(out["drift"]) > DRIFT_NOTE:
+        if abs(out["drift"]) > out["threshold"]:
             notes.append(f"the engine's speed moved {out['drift']:+.0%} during this measurement (its canary, the "
                          f"same batch of one prompt: ITL p50 {worst['itl_ms']:.1f} ms {worst['at']}, "
-                         f"{typical:.1f} typically: the host's other load, the device or the engine's own state "
-                         "changed): a re-measure may differ by as much")
+                         f"{typical:.1f} typically; past its own noise, {out['threshold']:.0%}: the host's other "
+                         "load, the device or the engine's own state changed): a re-measure may differ by as much")
     return out
 
 

@@ -29,7 +29,7 @@ def _check_confidence(confidence: float) -> float:
     return confidence
 
 
-def proportion_bounds(k: int, n: int, confidence: float = DEFAULT_CONFIDENCE) -> tuple[float, float]:
+def proportion_bounds(k: float, n: float, confidence: float = DEFAULT_CONFIDENCE) -> tuple[float, float]:
     """One-sided Clopper-Pearson bounds (lower, upper), each holding with `confidence`, for a proportion k/n."""
     from scipy.stats import beta
 
@@ -42,22 +42,56 @@ def proportion_bounds(k: int, n: int, confidence: float = DEFAULT_CONFIDENCE) ->
     return lower, upper
 
 
-def attainment_verdict(k: int, n: int, target: float, confidence: float = DEFAULT_CONFIDENCE) -> str:
+def attainment_verdict(k: float, n: float, target: float, confidence: float = DEFAULT_CONFIDENCE) -> str:
     """Is the share of successes (k of n) at least `target`? `meets` when the one-sided lower bound is >= target,
-    `misses` when the upper bound is < target, else `indeterminate`. Exact binomial, no normal approximation."""
-    from scipy.stats import binom
+    `misses` when the upper bound is < target, else `indeterminate`. Exact binomial, no normal approximation; a
+    non-integer k and n (a share over n independent units, e.g. the ITL gaps within target over n requests) use the
+    same tails through the incomplete beta function: P(Bin(n, p) >= k) = I_p(k, n - k + 1)."""
+    from scipy.stats import beta
 
     _check_confidence(confidence)
     if n <= 0:
         return INDETERMINATE
     alpha = 1.0 - confidence
     # meets: reject "true share < target" -- P(Bin(n, target) >= k) <= alpha
-    if binom.sf(k - 1, n, target) <= alpha:
+    if k > 0 and float(beta.cdf(target, k, n - k + 1)) <= alpha:
         return MEETS
     # misses: reject "true share >= target" -- P(Bin(n, target) <= k) <= alpha
-    if binom.cdf(k, n, target) <= alpha:
+    if k < n and float(beta.sf(target, k + 1, n - k)) <= alpha:
         return MISSES
     return INDETERMINATE
+
+
+def effective_n(values: Sequence[float], detrend: bool = False) -> float:
+    """The effective sample size of a series taken in time order: n / tau, tau the integrated autocorrelation time
+    of its ranks (Geyer's initial positive sequence: the autocorrelations summed in adjacent pairs while a pair is
+    positive). Requests of one load test share a queue: a burst makes many neighbours late together, and near
+    saturation one slow stretch spans dozens of requests, so n requests carry the evidence of n / tau independent
+    ones. Ranks make it robust to outliers and to failed requests (infinite values). Fewer than 8 values, or no
+    variation: n itself. `detrend`: the autocorrelation of what a straight line through the ranks leaves (a trend
+    is what a test for one looks for; left in, it reads as correlation and hides itself)."""
+    import numpy as np
+    from scipy.stats import rankdata
+
+    n = len(values)
+    if n < 8:
+        return float(n)
+    x = rankdata(np.asarray(values, dtype=float))
+    x = x - x.mean()
+    if detrend:
+        t = np.arange(n) - (n - 1) / 2.0
+        x = x - (float(t @ x) / float(t @ t)) * t
+    var = float(x @ x) / n
+    if var <= 0:
+        return float(n)
+    acf = [1.0] + [float(x[:-k] @ x[k:]) / (n * var) for k in range(1, n // 2)]
+    tau = -1.0
+    for m in range(len(acf) // 2):
+        pair = acf[2 * m] + acf[2 * m + 1]
+        if pair <= 0:
+            break
+        tau += 2.0 * pair
+    return float(min(n, max(1.0, n / max(tau, 1.0))))
 
 
 def min_samples_to_meet(target: float, confidence: float = DEFAULT_CONFIDENCE) -> int:
@@ -105,8 +139,11 @@ def quantile_ci(values: Sequence[float], q: float, confidence: float = DEFAULT_C
     return quantile_bounds(values, q, 0.5 + confidence / 2.0)
 
 
-def mean_bounds(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE) -> tuple[float | None, float | None]:
-    """One-sided Student-t bounds (lower, upper) for the mean; None with fewer than 2 finite values."""
+def mean_bounds(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE, n_eff: float | None = None
+                ) -> tuple[float | None, float | None]:
+    """One-sided Student-t bounds (lower, upper) for the mean; None with fewer than 2 finite values. `n_eff`: the
+    values' effective sample size when they are correlated (`effective_n`), for the standard error and the degrees
+    of freedom."""
     from scipy.stats import t
 
     xs = [float(v) for v in values]
@@ -115,19 +152,22 @@ def mean_bounds(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE)
     n = len(xs)
     m = sum(xs) / n
     sd = math.sqrt(sum((v - m) ** 2 for v in xs) / (n - 1))
-    half = float(t.ppf(confidence, n - 1)) * sd / math.sqrt(n)
+    m_eff = n if n_eff is None else max(min(n_eff, n), 2.0)
+    half = float(t.ppf(confidence, m_eff - 1)) * sd / math.sqrt(m_eff)
     return m - half, m + half
 
 
-def bound_verdict(values: Sequence[float], stat: str, limit: float, confidence: float = DEFAULT_CONFIDENCE) -> str:
+def bound_verdict(values: Sequence[float], stat: str, limit: float, confidence: float = DEFAULT_CONFIDENCE,
+                  correlated: bool = False) -> str:
     """Verdict for `stat(values) <= limit`, stat in p50/p90/p95/p99/mean. Infinite values (failed requests) count
-    against the bound."""
+    against the bound. `correlated`: the values are a time series (requests of one load test, in send order) and a
+    percentile is judged on their effective sample size (`effective_n`), not their count."""
     if not values:
         return INDETERMINATE
     if stat == "mean":
         if any(not math.isfinite(v) for v in values):
-            return MISSES if sum(1 for v in values if math.isfinite(v)) == 0 else INDETERMINATE
-        lo, hi = mean_bounds(values, confidence)
+            return MISSES  # a failed request is infinitely late: the mean is infinite, whatever the others did
+        lo, hi = mean_bounds(values, confidence, effective_n(values) if correlated else None)
         if hi is not None and hi <= limit:
             return MEETS
         if lo is not None and lo > limit:
@@ -135,7 +175,11 @@ def bound_verdict(values: Sequence[float], stat: str, limit: float, confidence: 
         return INDETERMINATE
     q = float(stat.lstrip("p")) / 100.0
     k = sum(1 for v in values if v <= limit)
-    return attainment_verdict(k, len(values), q, confidence)
+    n = len(values)
+    if correlated:  # the evidence of n_eff independent requests, the same share within the limit
+        n_eff = effective_n(values)
+        k, n = k * n_eff / n, n_eff
+    return attainment_verdict(k, n, q, confidence)
 
 
 def combine_verdicts(verdicts: Sequence[str]) -> str:
