@@ -12,6 +12,8 @@ Knob mapping (recorded in the bench JSON under `engine.settings`):
                  to a multiple of 256, at least 256 per slot and at most the model's trained context per slot;
                  KV bytes per token = 2 (K and V) x layers x KV heads x head size x bytes per element of --kv-type
   kv_type     -> -ctk/-ctv
+  (always)    -> --cache-ram 0: no prompt cache in host RAM beside the KV cache (0c1e57098 keeps up to 8192 MiB by
+                 default, memory the KV fraction does not count)
   draft       -> --spec-type ngram-simple (ngram:K) or -md (draft:<model>:K, same vocabulary only)
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import PurePath
 
 from tuner.config import TrialConfig
+from tuner.errors import TunerError
 from tuner.export.common import (
     ADAPTIVE_DRAFT,
     APPROX,
@@ -84,14 +85,19 @@ def kv_ctx_tokens(config: TrialConfig, ctx: Context) -> tuple[int, str]:
     (tuner.engines.llamacpp.resolve_ctx_tokens), else SLOT_CTX per slot."""
     n = config.batch_cap
     if ctx.ctx_tokens:
+        avail = f" ({ctx.available_gib:.1f} GiB available then)" if ctx.available_gib else ""
         return ctx.ctx_tokens, (f"{config.kv_fraction:g} -> -c {ctx.ctx_tokens} KV tokens in all ({ctx.ctx_tokens // n}"
-                                f" per slot), as resolved when measured: fraction x available memory / KV bytes "
-                                "per token, clamped to the model's context per slot")
+                                f" per slot), as resolved on the measuring machine{avail}: fraction x available "
+                                "memory / KV bytes per token, clamped to [256, the model's context] per slot")
     return n * SLOT_CTX, (f"{config.kv_fraction:g}: not resolved for this machine (no measurement); -c {n * SLOT_CTX}"
                           f" gives each of the {n} slots {SLOT_CTX} tokens")
 
 
 UBATCH_LOGICAL = 2048  # llama-server's default -b
+# llama-server keeps prompts in host RAM up to --cache-ram MiB beside the KV cache (0c1e57098's default 8192:
+# common/arg.cpp `--cache-ram`, tools/server, ggml-org/llama.cpp PR 16391), memory -c's sizing from the KV
+# fraction does not count: the engine (and so its export) turns it off
+CACHE_RAM_MIB = 0
 # llama-server reads the key from LLAMA_API_KEY when --api-key is not given, so it stays off the command line
 SERVING = Serving(port=8080, api_key_env="LLAMA_API_KEY",
                   api_key_why="common/arg.cpp: --api-key ... set_env(LLAMA_API_KEY)")
@@ -120,9 +126,12 @@ def export_native(config: TrialConfig, ctx: Context) -> Export:
     notes.append(Note(MAPPED, "quant", f"{gtype} (llama-quantize {gtype})"))
     n = config.batch_cap
     c, why = kv_ctx_tokens(config, ctx)
-    argv = ["llama-server", "-m", gguf, "-np", str(n), "-c", str(c)]
+    argv = ["llama-server", "-m", gguf, "-np", str(n), "-c", str(c), "--cache-ram", str(CACHE_RAM_MIB)]
     notes.append(Note(MAPPED, "batch_cap", f"{n} -> -np {n} (server slots decoded together)"))
     notes.append(Note(MAPPED, "kv_fraction", why))
+    notes.append(Note(MAPPED, "kv_fraction", f"--cache-ram {CACHE_RAM_MIB}: no prompt cache in host RAM beside the "
+                                             "KV cache (llama-server's default keeps up to 8192 MiB, which the KV "
+                                             "fraction's -c does not count)"))
     if config.kv_type != "auto":
         argv += ["-ctk", config.kv_type, "-ctv", config.kv_type]
         notes.append(Note(MAPPED, "kv_type", f"{config.kv_type} -> -ctk/-ctv {config.kv_type}"))
@@ -134,6 +143,10 @@ def export_native(config: TrialConfig, ctx: Context) -> Export:
         notes.append(Note(MAPPED, "draft", f"ngram:{draft.tokens} -> --spec-type ngram-simple, 2-gram lookup, "
                                            f"{draft.tokens} drafted tokens"))
     elif draft.kind == "draft":
+        if vocab_differs(config):  # the server would refuse it at start-up: say so here, not there
+            raise TunerError(f"draft {draft.model} for {config.model}: {same_tokenizer_note(config)}; llama-server "
+                             "refuses such a draft at start-up (common/speculative.cpp, "
+                             "common_speculative_are_compatible): expected a draft of the target's family")
         dgguf, dprep, dorigin, dparams = _gguf_for(draft.model or "", ctx, gtype, "draft_gguf", "DRAFT")
         prepare += dprep
         params += dparams

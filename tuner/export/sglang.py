@@ -77,12 +77,18 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
         notes.append(Note(APPROX, "batch_cap", f"tuner's step budget max_batch_tokens = batch_cap + "
                                                f"{EXTRA_BATCH_TOKENS} -> --chunked-prefill-size {budget}: SGLang "
                                                "caps the prefill tokens of a step, tuner caps prefill + decode"))
-        frac, why = memory_fraction(config, ctx, headroom=0.0)
-        args += ["--mem-fraction-static", fmt_float(frac)]
-        notes.append(Note(APPROX, "kv_fraction", f"{config.kv_fraction:g} -> --mem-fraction-static {frac:.2f}. "
-                                                 "SGLang's static fraction covers weights + KV pool of the memory "
-                                                 f"free at start (~ the whole GPU), activations live outside it: "
-                                                 f"{why}"))
+        if config.device == "cpu":
+            notes.append(Note(DROPPED, "kv_fraction", f"{config.kv_fraction:g}: no --mem-fraction-static with "
+                                                      "--device cpu: the formula is a share of a GPU's memory "
+                                                      f"(--gpu-memory-gib); SGLang {VERSION} on CPU sizes its KV "
+                                                      "pool itself (cap it with --max-total-tokens)"))
+        else:
+            frac, why = memory_fraction(config, ctx, headroom=0.0)
+            args += ["--mem-fraction-static", fmt_float(frac)]
+            notes.append(Note(APPROX, "kv_fraction", f"{config.kv_fraction:g} -> --mem-fraction-static {frac:.2f}. "
+                                                     "SGLang's static fraction covers weights + KV pool of the memory "
+                                                     f"free at start (~ the whole GPU), activations live outside it: "
+                                                     f"{why}"))
     else:
         notes.append(Note(MAPPED, "batch_cap", f"{config.batch_cap} -> --max-running-requests {config.batch_cap}: "
                                                f"tuner ran {config.batch_cap} batch-1 assisted decoders at once; "
@@ -114,6 +120,12 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
             notes.append(Note(MAPPED, "draft", "--speculative-draft-model-quantization unquant: SGLang's draft "
                                                "otherwise inherits the target's --quantization; tuner ran the "
                                                "assistant unquantized"))
+        if "--load-format" in args:  # server_args.py: unset, the draft loads with the target's --load-format
+            args += ["--speculative-draft-load-format", "auto"]
+            notes.append(Note(MAPPED, "draft", "--speculative-draft-load-format auto: SGLang's draft otherwise "
+                                               "loads with the target's --load-format bitsandbytes "
+                                               "(speculative/draft_worker_common.py), which an unquantized "
+                                               "checkpoint is not"))
         args += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", dmodel,
                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(k + 1)]

@@ -84,9 +84,15 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
                                            "running batch, but TGI v3 ignores it for models served with chunked "
                                            "prefill (most flash-attention models on CUDA)"))
     if draft.kind == "none":
-        notes.append(Note(DROPPED, "batch_cap", f"tuner's step budget max_batch_tokens = batch_cap + "
-                                                f"{EXTRA_BATCH_TOKENS}: TGI's --max-batch-prefill-tokens must be at "
-                                                "least --max-input-tokens, so it is left to TGI"))
+        budget = config.batch_cap + EXTRA_BATCH_TOKENS
+        opts.append(("--max-batch-prefill-tokens", str(budget)))
+        notes.append(Note(APPROX, "batch_cap", f"tuner's step budget max_batch_tokens = batch_cap + "
+                                               f"{EXTRA_BATCH_TOKENS} -> --max-batch-prefill-tokens {budget}: TGI caps "
+                                               "the prefill tokens of a batch, tuner caps prefill + decode. The router "
+                                               "requires it >= --max-input-tokens only for a model served without "
+                                               "chunked prefill (backends/v3/src/main.rs: `max_input_tokens > "
+                                               "max_batch_prefill_tokens && !support_chunking`); flash-attention "
+                                               "models on CUDA chunk"))
         share, why = memory_fraction(config, ctx, ACTIVATION_HEADROOM)
         frac = min(1.0, math.ceil(round(share / TGI_SAFETY * 100, 6)) / 100)
         opts.append(("--cuda-memory-fraction", fmt_float(frac)))
