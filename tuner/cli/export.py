@@ -37,6 +37,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="model reference to emit instead of the default (a checkpoint dir, repo id or .gguf)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, metavar="GIB",
                    help="target GPU memory for the KV-fraction formula (default: 80)")
+    p.add_argument("--k8s", action="store_true",
+                   help="with --to vllm|llamacpp: Kubernetes manifests instead (k8s.yaml: Deployment + Service; "
+                        "vLLM also production-stack-values.yaml for the vllm-stack Helm chart)")
     return p
 
 
@@ -47,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     from tuner.export.locate import checkpoint_params, locate, measured_settings
     from tuner.export.write import check_path, plan, render, write_files
 
+    if args.k8s and args.to not in ("vllm", "llamacpp"):
+        raise TunerError(f"--k8s with --to {args.to}: expected --to vllm or --to llamacpp")
     if args.gpu_memory_gib <= 0:
         raise TunerError(f"--gpu-memory-gib {args.gpu_memory_gib:g} is invalid: expected a positive number of GiB")
     if args.study is not None:
@@ -66,6 +71,12 @@ def run(args: argparse.Namespace) -> int:
     ctx = Context(paths=paths, gpu_memory_gib=args.gpu_memory_gib, params=checkpoint_params(config.model),
                   **ctx_kw)
     exp = export(args.to, config, ctx)
+    if args.k8s:
+        import dataclasses
+
+        from tuner.export.k8s import manifests
+
+        exp = dataclasses.replace(exp, files=manifests(exp))
 
     files: dict[str, str] = {}
     if args.output:
