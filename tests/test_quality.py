@@ -221,7 +221,7 @@ def test_cli_eval_json_from_cache(nf4_scores, results_dir: Path, tmp_path: Path)
 
 # ------------------------------------------------------------------------------------------- the gate ---- #
 GATE_KEYS = {"verdict", "drop_pp", "drop_ci_pp", "budget_pp", "confidence", "detectable_pp", "items_needed", "limit",
-             "warning", "baseline", "escalated_limits"}
+             "warning", "baseline", "escalated_limits", "looks", "alpha_per_look"}
 
 
 def eval_cmd(quant: str, out: Path, *extra: str) -> list[str]:
@@ -299,8 +299,76 @@ def test_kld_screen_skips_lm_eval(bf16_escalated, results_dir: Path, tmp_path: P
     proc = subprocess.run(cmd, cwd=tmp_path, env=env_with(results_dir), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["gate"]["screen"] == {"kld_mean": data["kld_mean"], "max_kld": 1.0, "passed": True}
+    screen = data["gate"]["screen"]
+    assert screen["kld_mean"] == data["kld_mean"] and screen["max_kld"] == 1.0 and screen["passed"] is True
+    assert screen["kld_lower"] < screen["kld_mean"] and "reason" not in screen
     assert data["gate"]["verdict"] == "within" and data["gate"]["escalated_limits"] == [] and data["cached"]
+
+
+def test_the_gate_spends_its_confidence_over_the_looks_it_may_take(bf16_escalated):
+    """--limit 10 --max-limit 20 allows two looks at the drop: each is taken at 97.5%, so the verdict the gate ends
+    on holds at 95% over both (Bonferroni); the JSON says so, and its bounds are the two-look ones, wider than one
+    look's at 95% on the same items."""
+    from tuner.quality import quality_gate, score_quality
+
+    _, data = bf16_escalated
+    gate = data["gate"]
+    assert gate["looks"] == 2 and gate["alpha_per_look"] == pytest.approx(0.025) and gate["confidence"] == 0.95
+    res = score_quality(TrialConfig(MODEL, quant="bf16", device="cpu"), TASKS, 2 * LIMIT, 1234,
+                        kld_tokens=KLD_TOKENS, progress=False)
+    assert res.cached  # the escalation's last look
+    one = quality_gate(res, 0.1)["drop_ci_pp"]
+    assert gate["drop_ci_pp"] == pytest.approx(quality_gate(res, 0.1, looks=2)["drop_ci_pp"])
+    assert gate["drop_ci_pp"][0] < one[0] and gate["drop_ci_pp"][1] > one[1]
+
+
+def test_a_verdict_one_look_can_show_is_not_shown_as_one_of_several():
+    """Identical answers on 2 x 250 items: a 0.7 pp budget is shown `within` by one look at 95%, not by any of two,
+    three or four looks sharing the same 5%."""
+    from tuner.quality import planned_looks, quality_gate
+
+    res = _result([(150, 0, 0, 100), (125, 0, 0, 125)])
+    assert quality_gate(res, 0.7)["verdict"] == "within"
+    for looks in (2, 3, 4):
+        gate = quality_gate(res, 0.7, 0.95, looks)
+        assert gate["verdict"] == "indeterminate" and gate["looks"] == looks
+    assert [planned_looks(10, m) for m in (None, 10, 11, 20, 40, 50)] == [1, 1, 2, 2, 3, 4]
+
+
+def test_the_kld_screen_decides_on_a_lower_bound_of_the_mean(nf4_scores, results_dir: Path):
+    """bnb-nf4's real KLD on 255 tokens: a --max-kld between its lower 95% bound and its mean does not screen it out
+    (the point estimate alone did): lm-eval scores it. One below the bound does, with the screen's own reason (the
+    KLD and its bound), not a drop it never measured."""
+    from tuner.quality import gated_quality
+
+    config, first = nf4_scores
+    assert first.kld_mean_stderr > 0
+    between = first.kld_mean - 0.5 * 1.65 * first.kld_mean_stderr
+    g = gated_quality(config, TASKS, LIMIT, 1234, max_drop_pp=50.0, max_kld=between, kld_tokens=KLD_TOKENS,
+                      progress=False)
+    screen = g.gate["screen"]
+    assert screen["passed"] and screen["kld_mean"] > between >= screen["kld_lower"]
+    assert g.result is not None and g.gate["verdict"] != "exceeds"  # scored by lm-eval (from the cache)
+    low = screen["kld_lower"] / 2
+    g = gated_quality(config, TASKS, LIMIT, 1234, max_drop_pp=50.0, max_kld=low, kld_tokens=KLD_TOKENS, progress=False)
+    assert g.result is None and g.gate["verdict"] == "exceeds" and g.gate["drop_pp"] is None
+    why = g.gate["reason"]
+    assert why.startswith(f"KLD mean {first.kld_mean:.3g} nats over {KLD_TOKENS} tokens, lower 95% bound ")
+    assert why.endswith(f" > --max-kld {low:g}: screened out before lm-eval") and "drop" not in why
+
+
+def test_the_kld_lower_bound_holds_at_its_confidence():
+    """The bound the screen uses, on 2000 samples of 255 skewed per-token KLDs (gamma, mean 0.05) summarised by
+    tuner.kld.kld_stats: it exceeds the true mean in about 5% of them at 95%."""
+    from tuner.kld import kld_stats
+    from tuner.quality import kld_lower_bound
+
+    rng = np.random.default_rng(7)
+    over = 0
+    for _ in range(2000):
+        k = kld_stats(rng.gamma(0.5, 0.1, size=255), np.ones(255, dtype=bool))
+        over += kld_lower_bound(k.mean, k.mean_stderr, k.n_tokens, 0.95) > 0.05
+    assert 0.03 <= over / 2000 <= 0.075
 
 
 def _result(per_task: list[tuple[int, int, int, int]], quant: str = "bnb-nf4") -> Any:

@@ -430,7 +430,7 @@ def search_ctx(tmp_path, slo, budget=1.0, cost_per_hour=None, attainment=None):
                          cost_per_hour=cost_per_hour)
 
 
-def capacity_at(rate, ttft_p90_ms, n=60, attained=0.95, missed_ttft_ms=2600.0, tok_s=None):
+def capacity_at(rate, ttft_p90_ms, n=60, attained=0.95, missed_ttft_ms=2600.0, tok_s=None, above=1.25):
     """A capacity result shaped as tuner.capacity writes it: probes below, at and above the capacity rate (rate 0:
     no rate met; the one probe misses)."""
     if not rate:
@@ -441,9 +441,9 @@ def capacity_at(rate, ttft_p90_ms, n=60, attained=0.95, missed_ttft_ms=2600.0, t
     probes = [{"rate_rps": rate / 2, "n": n, "verdict": "meets", "ttft_ms": {"p90": ttft_p90_ms / 2},
                "attainment": 1.0},
               {"rate_rps": rate, "n": n, "verdict": "meets", "ttft_ms": {"p90": ttft_p90_ms}, "attainment": attained},
-              {"rate_rps": rate * 1.25, "n": n, "verdict": "misses", "ttft_ms": {"p90": missed_ttft_ms},
+              {"rate_rps": rate * above, "n": n, "verdict": "misses", "ttft_ms": {"p90": missed_ttft_ms},
                "attainment": 0.6}]
-    return {"requests_per_s": rate, "requests_per_s_ci": [rate, rate * 1.25], "verdict": "meets",
+    return {"requests_per_s": rate, "requests_per_s_ci": [rate, rate * above], "verdict": "meets",
             "output_tokens_per_s": tok_s or rate * 30, "probes": probes}
 
 
@@ -451,9 +451,10 @@ def judged(ctx, number, capacity, drop_hi_pp, quant="bf16"):
     """A trial judged by the search's own constraint functions (tuner.objective)."""
     from tuner.objective import constraint_names, quality_constraint, slo_constraints
 
-    q = {"score": 0.5, "drop_pp": drop_hi_pp / 2,
+    q = {"score": 0.5 - drop_hi_pp / 200, "drop_pp": drop_hi_pp / 2,
          "gate": {"verdict": "within" if drop_hi_pp <= ctx.max_quality_drop else "indeterminate",
-                  "drop_ci_pp": [-drop_hi_pp, drop_hi_pp], "budget_pp": ctx.max_quality_drop, "confidence": 0.95}}
+                  "drop_pp": drop_hi_pp / 2, "drop_ci_pp": [0.0, drop_hi_pp], "budget_pp": ctx.max_quality_drop,
+                  "confidence": 0.95}}
     cons = slo_constraints(capacity, ctx) + [quality_constraint(q, ctx)]
     assert len(cons) == len(constraint_names(ctx))
     return Row(number, "COMPLETE", {"quant": quant, "batch_cap": 8, "kv_fraction": 0.01, "draft": "none"}, {}, q,
@@ -550,3 +551,25 @@ def test_a_re_measured_pick_is_judged_on_its_re_measure(monkeypatch, tmp_path):
     rec = answer(rows_from_study(study), names, baseline_number=0)["recommendation"]
     assert rec["trial"] == 2 and not rec["confirmed"]
     assert rec["statement"].endswith("no configuration confirmed: this figure is its trial's own (not re-measured)")
+
+
+def test_the_readme_example_is_what_the_answer_prints(tmp_path):
+    """README's example of the answer is the output of `tuner search`'s answer (tuner.study.answer and the CLI's
+    format_answer) on these two trials, judged by the search's own constraint functions: every line of its example
+    block is printed, as written."""
+    from tuner.cli.search import format_answer
+    from tuner.objective import constraint_names
+
+    ctx = search_ctx(tmp_path, "ttft:p90<3s", budget=1.0, cost_per_hour=2.5)
+    base = judged(ctx, 0, capacity_at(0.31, 2400.0, tok_s=9.6, above=1.16), 0.0, quant="fp32")
+    base = dataclasses.replace(base, config=dict(base.config, batch_cap=1))
+    pick = judged(ctx, 7, capacity_at(1.6, 2620.0, tok_s=48.0, above=1.125), 0.6)
+    pick = dataclasses.replace(pick, config=dict(pick.config, batch_cap=16, kv_fraction=0.5))
+    a = answer([base, pick], constraint_names(ctx), baseline_number=0, cost_per_hour=2.5, target_rate=20)
+    printed = format_answer({"answer": a, "study": "s", "storage": "sqlite:///results/tuner.db",
+                             "csv": "trials.csv", "recommendation_path": "recommendation.json"}, ctx).splitlines()
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("<!-- answer example: tests/test_search_units.py -->\n```text\n", 1)[1].split("```", 1)[0]
+    lines = block.strip("\n").splitlines()
+    assert len(lines) >= 3 and lines[0].startswith("RECOMMENDED: trial 7")
+    assert all(line in printed for line in lines), [line for line in lines if line not in printed]

@@ -579,29 +579,74 @@ def _bisect(f: Any, lo: int, hi: int, budget: float) -> int:
     return hi
 
 
-def quality_gate(result: QualityResult, max_drop_pp: float, confidence: float = DEFAULT_CONFIDENCE) -> dict[str, Any]:
+def planned_looks(limit: int, max_limit: int | None) -> int:
+    """How many times the escalating gate may test the drop: at --limit, then at each doubling up to --max-limit
+    (10 -> 20 -> 40 -> 50: 4 looks)."""
+    looks, lim = 1, limit
+    while max_limit is not None and lim < max_limit:
+        lim, looks = min(2 * lim, max_limit), looks + 1
+    return looks
+
+
+def look_confidence(confidence: float, looks: int) -> float:
+    """Each look's confidence when `1 - confidence` is spent evenly over `looks` (Bonferroni): the verdict the gate
+    ends on, at whichever look, is wrong with probability <= 1 - confidence."""
+    return 1.0 - (1.0 - confidence) / looks
+
+
+def quality_gate(result: QualityResult, max_drop_pp: float, confidence: float = DEFAULT_CONFIDENCE,
+                 looks: int = 1) -> dict[str, Any]:
     """Is the accuracy drop against the fp32 baseline within `max_drop_pp` percentage points, with `confidence`?
     `within` when the upper bound of the drop <= budget, `exceeds` when the lower bound > budget, else
-    `indeterminate` (score more items)."""
+    `indeterminate` (score more items). As one of `looks` tests of the same drop, each at
+    `look_confidence(confidence, looks)`."""
     check_gate_args(max_drop_pp, result.limit, None, confidence)
-    return _gate(result, paired_comparison(result, confidence), max_drop_pp)
+    return _gate(result, paired_comparison(result, look_confidence(confidence, looks)), max_drop_pp, confidence,
+                 looks)
 
 
-def _gate(result: QualityResult, p: PairedComparison, max_drop_pp: float) -> dict[str, Any]:
-    confidence = p.confidence
+def _gate(result: QualityResult, p: PairedComparison, max_drop_pp: float, confidence: float,
+          looks: int) -> dict[str, Any]:
     lo, hi = p.ci_pp
     verdict = WITHIN if hi <= max_drop_pp else EXCEEDS if lo > max_drop_pp else INDETERMINATE
     need = result.limit if p.identical else limit_to_detect(p, result.limit, max_drop_pp / 100.0)
     warning = None
     if max_drop_pp < p.half_width_pp:
+        at = f"{p.confidence:g} confidence" + (f" (each of {looks} looks)" if looks > 1 else "")
         warning = (f"the budget {max_drop_pp:g} pp is below the {p.half_width_pp:.2f} pp that {p.items} paired items "
-                   f"(--limit {result.limit}) can detect at {confidence:g} confidence; ")
+                   f"(--limit {result.limit}) can detect at {at}; ")
         warning += ("no item count can show a 0 pp budget (only a candidate shown to be better passes it)"
                     if need is None else f"about {need} items per task (--limit {need}) would")
     return {"verdict": verdict, "drop_pp": p.drop_pp, "drop_ci_pp": [lo, hi], "budget_pp": float(max_drop_pp),
-            "confidence": confidence, "detectable_pp": p.half_width_pp, "items_needed": need, "limit": result.limit,
-            "items": p.items, "discordance": p.discordance, "warning": warning,
+            "confidence": confidence, "looks": looks, "alpha_per_look": (1.0 - confidence) / looks,
+            "confidence_per_look": p.confidence, "detectable_pp": p.half_width_pp, "items_needed": need,
+            "limit": result.limit, "items": p.items, "discordance": p.discordance, "warning": warning,
             "baseline": baseline_description(result.config["model"], result.config.get("engine", "transformers"))}
+
+
+def kld_lower_bound(mean: float, stderr: float, n_tokens: int, confidence: float) -> float | None:
+    """One-sided Student-t lower bound of the mean KLD from its per-token standard error (tuner.kld, or
+    llama-perplexity's "Mean KLD: x ± se"); None with fewer than 2 tokens. Tokens of one chunk share their context,
+    so they are not independent: this is the usual i.i.d. approximation (tuner.stats says it once)."""
+    from scipy.stats import t
+
+    if n_tokens < 2 or not math.isfinite(stderr):
+        return None
+    return mean - float(t.ppf(confidence, n_tokens - 1)) * stderr
+
+
+def kld_screen(kld: Any, max_kld: float, confidence: float) -> dict[str, Any]:
+    """The KLD screen before lm-eval: a format is screened out only when the lower `confidence` bound of its mean
+    KLD exceeds `max_kld` (a mean above it whose bound is not is scored by lm-eval: the screen did not decide).
+    Its `reason` says what it measured (the KLD), not a drop it never measured."""
+    lower = kld_lower_bound(kld.mean, kld.mean_stderr, kld.n_tokens, confidence)
+    out = {"kld_mean": kld.mean, "kld_mean_stderr": kld.mean_stderr, "kld_tokens": kld.n_tokens,
+           "kld_lower": lower, "confidence": confidence, "max_kld": max_kld,
+           "passed": lower is None or lower <= max_kld}
+    if not out["passed"]:
+        out["reason"] = (f"KLD mean {kld.mean:.3g} nats over {kld.n_tokens} tokens, lower {confidence:.0%} bound "
+                         f"{lower:.3g} > --max-kld {max_kld:g}: screened out before lm-eval")
+    return out
 
 
 @dataclass(frozen=True)
@@ -651,10 +696,11 @@ def gated_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
         else:
             versions = library_versions(config.quant)
             kld, kld_cached = score_kld(config, model_hash, kld_tokens, versions, progress)
-        screen = {"kld_mean": kld.mean, "max_kld": float(max_kld), "passed": kld.mean <= max_kld}
+        screen = kld_screen(kld, float(max_kld), confidence)
         if not screen["passed"]:
-            gate = {"verdict": EXCEEDS, "drop_pp": None, "drop_ci_pp": None, "budget_pp": float(max_drop_pp),
-                    "confidence": confidence, "detectable_pp": None, "items_needed": None, "limit": None,
+            gate = {"verdict": EXCEEDS, "reason": screen["reason"], "drop_pp": None, "drop_ci_pp": None,
+                    "budget_pp": float(max_drop_pp), "confidence": confidence, "looks": 0, "alpha_per_look": None,
+                    "confidence_per_look": None, "detectable_pp": None, "items_needed": None, "limit": None,
                     "items": 0, "discordance": None, "warning": None,
                     "baseline": baseline_description(config.model, config.engine), "screen": screen, "escalated_limits": []}
             figures = {"config": config.to_dict(), "model_hash": model_hash, "limit": None, "seed": seed,
@@ -662,9 +708,11 @@ def gated_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
                        "top1_agree": kld.top1_agree, "kld_tokens": kld.n_tokens, "versions": versions,
                        "cached": kld_cached}
             return GatedQuality(None, gate, None, figures)
+    looks = planned_looks(limit, max_limit)  # 1 - confidence spent evenly over every look the limits allow
+    each = look_confidence(confidence, looks)
     res = score_quality(config, names, limit, seed, kld_tokens=kld_tokens, progress=progress)
-    paired = paired_comparison(res, confidence)
-    gate = _gate(res, paired, max_drop_pp)
+    paired = paired_comparison(res, each)
+    gate = _gate(res, paired, max_drop_pp, confidence, looks)
     escalated: list[int] = []
     while gate["verdict"] == INDETERMINATE and res.limit < max_limit:
         if all(t.n < res.limit for t in res.tasks):
@@ -675,8 +723,8 @@ def gated_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
                   f"[{gate['drop_ci_pp'][0]:+.2f}, {gate['drop_ci_pp'][1]:+.2f}]): scoring --limit {nxt}",
                   file=sys.stderr, flush=True)
         res = score_quality(config, names, nxt, seed, kld_tokens=kld_tokens, progress=progress)
-        paired = paired_comparison(res, confidence)
-        gate = _gate(res, paired, max_drop_pp)
+        paired = paired_comparison(res, each)
+        gate = _gate(res, paired, max_drop_pp, confidence, looks)
         escalated.append(nxt)
     gate["escalated_limits"] = escalated
     if screen is not None:
