@@ -246,7 +246,9 @@ def test_answer_on_hand_made_trials():
     # the two configs with more capacity broke the quality budget (2) and the "shown to hold" / latency terms (3)
     assert rec["more_capacity_stopped_by"] == {NAMES[0]: 1, NAMES[1]: 1, NAMES[2]: 1}
     # the pick's own tightest term: ttft p90 290 of 300 ms (3% to spare) before the quality bound 0.8 of 1 pp (20%)
-    assert rec["binding_constraint"] == "ttft:p90 290 ms of 300 ms (10 ms slack) at 2 req/s"
+    assert rec["binding_constraint"] == ("ttft:p90 290 ms of 300 ms (10 ms slack) at 2 req/s; configs with more "
+                                         "capacity violated: ttft:p90<300ms (1), SLO shown to hold (1), "
+                                         "quality drop<=1pp (upper bound) (1)")
     # 0 stays: less capacity but the best quality (0.500 > 0.499 > 0.498)
     assert [s["trial"] for s in a["pareto_front"]] == [1, 4, 0]
 

@@ -206,8 +206,11 @@ def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, c
         rec["slack"] = {n: -c for n, c in zip(names, best.constraints or [])}
         bind = binding(names, best)
         rec["binding"] = bind
+        stop = rec["more_capacity_stopped_by"] = stopped_by(names, best, rows)
         rec["binding_constraint"] = bind["text"] if bind else "none"
-        rec["more_capacity_stopped_by"] = stopped_by(names, best, rows)
+        if stop:
+            rec["binding_constraint"] += ("; configs with more capacity violated: "
+                                          + ", ".join(f"{n} ({c})" for n, c in stop.items()))
         gain = gain_over(best, base)
         rec.update(gain)
         if cost_per_hour and best.tok_s:
@@ -349,7 +352,7 @@ def term_at(name: str, normalised: float, r: Row) -> dict[str, Any]:
     point = capacity_point(r.capacity or {}) or {}
     at = f" at {r.rps:.3g} req/s" if r.rps else ""
     n = point.get("n")
-    out: dict[str, Any] = {"term": name, "normalised_slack": -normalised, "at_rps": r.rps or None, "n": n}
+    out: dict[str, Any] = {"term": name, "normalised_slack": 0.0 - normalised, "at_rps": r.rps or None, "n": n}
     if name.startswith("quality drop"):
         gate = (r.quality or {}).get("gate") or {}
         hi = (gate.get("drop_ci_pp") or [None, None])[1]
@@ -397,7 +400,7 @@ def term_at(name: str, normalised: float, r: Row) -> dict[str, Any]:
                             + (f", n={n}" if n else "") + f"){at}")
             return out
     out.update(value=None, limit=None, slack=None, unit=None,
-               text=f"{name} ({-normalised:.0%} of its limit to spare){at}")
+               text=f"{name} ({0.0 - normalised:.0%} of its limit to spare){at}")
     return out
 
 
