@@ -150,3 +150,14 @@ def test_bad_engine_settings_are_refused(kwargs: dict) -> None:
 def test_bad_step_model_is_refused() -> None:
     with pytest.raises(TunerError, match="prefill_per_token_s"):
         StepModel(decode_base_s=0.01, prefill_per_token_s=-1.0)
+
+
+def test_a_per_batch_table_sets_the_step_time() -> None:
+    # measured steps of 7, 27 and 54 ms at 1, 2 and 4 sequences (not a line): 3 sequences take their midpoint
+    model = StepModel(decode_base_s=0.0, decode_by_batch_s=((4, 0.054), (1, 0.007), (2, 0.027)))
+    engine = SimulatedEngine(model, batch_cap=4)
+    for k, step_ms in ((1, 7.0), (2, 27.0), (3, 40.5), (4, 54.0)):
+        load = engine.run(requests(k, max_tokens=6), concurrency=k)
+        assert all(g == pytest.approx(step_ms) for r in load.results for g in r.itl_ms), k
+    with pytest.raises(TunerError, match="decode_by_batch_s"):
+        StepModel(decode_base_s=0.0, decode_by_batch_s=((1, 0.01), (1, 0.02)))

@@ -42,10 +42,12 @@ from tuner.workload import Request
 @dataclass(frozen=True)
 class StepModel:
     """Seconds one engine step takes. `decode_s(batch, context_tokens)` = a + b*batch + c*context_tokens (the
-    decoding sequences and the context they attend to, summed); a step holding prompt tokens adds
-    prefill_base_s + prefill_per_token_s * tokens, so a prompt alone on an idle engine costs `prefill_s(tokens)` =
-    a + prefill_base_s + prefill_per_token_s * tokens. `noise_sigma`: each step's time is multiplied by a lognormal
-    factor of mean 1 and this log-standard deviation (0: constant)."""
+    decoding sequences and the context they attend to, summed), or with `decode_by_batch_s` ((batch, seconds), ...
+    measured per batch size) that table interpolated linearly in the batch (extended with its last slope) plus
+    c*context_tokens; a step holding prompt tokens adds prefill_base_s + prefill_per_token_s * tokens, so a prompt
+    alone on an idle engine costs `prefill_s(tokens)` = a + prefill_base_s + prefill_per_token_s * tokens.
+    `noise_sigma`: each step's time is multiplied by a lognormal factor of mean 1 and this log-standard deviation
+    (0: constant)."""
 
     decode_base_s: float
     decode_per_seq_s: float = 0.0
@@ -53,6 +55,7 @@ class StepModel:
     prefill_base_s: float = 0.0
     prefill_per_token_s: float = 0.0
     noise_sigma: float = 0.0
+    decode_by_batch_s: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("decode_base_s", "decode_per_seq_s", "decode_per_context_token_s", "prefill_base_s",
@@ -60,11 +63,29 @@ class StepModel:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise TunerError(f"step model {name}={v!r} is invalid: expected a finite number >= 0")
-        if self.decode_base_s + self.decode_per_seq_s <= 0:
+        table = tuple((int(k), float(t)) for k, t in self.decode_by_batch_s)
+        object.__setattr__(self, "decode_by_batch_s", tuple(sorted(table)))
+        if any(k < 1 or not (math.isfinite(t) and t > 0) for k, t in table) or len({k for k, _ in table}) < len(table):
+            raise TunerError(f"step model decode_by_batch_s={self.decode_by_batch_s!r} is invalid: expected distinct "
+                             "batch sizes >= 1 with seconds > 0")
+        if not table and self.decode_base_s + self.decode_per_seq_s <= 0:
             raise TunerError("step model decode_base_s + decode_per_seq_s is 0: a decoding step must take time")
 
+    def batch_s(self, batch: int) -> float:
+        """A decoding step's time at `batch` sequences, before the context's share."""
+        table = self.decode_by_batch_s
+        if not table or batch == 0:
+            return self.decode_base_s + self.decode_per_seq_s * batch
+        if len(table) == 1:
+            return table[0][1] * batch / table[0][0]
+        i = 1
+        while i < len(table) - 1 and table[i][0] < batch:
+            i += 1
+        (k0, t0), (k1, t1) = table[i - 1], table[i]
+        return max(t0 + (t1 - t0) * (batch - k0) / (k1 - k0), 0.0)
+
     def decode_s(self, batch: int, context_tokens: int) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_context_token_s * context_tokens
+        return self.batch_s(batch) + self.decode_per_context_token_s * context_tokens
 
     def prefill_s(self, tokens: int) -> float:
         return self.step_s(0, 0, tokens)
@@ -76,8 +97,10 @@ class StepModel:
             t += self.prefill_base_s + self.prefill_per_token_s * prompt_tokens
         return t
 
-    def to_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["decode_by_batch_s"] = [list(kt) for kt in self.decode_by_batch_s]
+        return d
 
 
 class _Seq:

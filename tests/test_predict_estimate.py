@@ -1,0 +1,67 @@
+"""Prediction from a profile: a profile taken (by the real protocol) on a simulated engine with a known step model
+predicts the capacity that the real capacity search finds on that engine; out-of-range configurations say so."""
+
+from __future__ import annotations
+
+import random
+import statistics
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tuner.capacity import CapacityOptions
+from tuner.predict import profile as prof
+from tuner.predict.estimate import predict, simulated_capacity
+from tuner.predict.fit import fit_step_model
+from tuner.predict.simulate import SimulatedEngine, StepModel
+from tuner.targets import SLO, parse_slo
+from tuner.workload import Request
+
+TRUTH = StepModel(decode_base_s=0.010, decode_per_seq_s=0.002, decode_per_context_token_s=2e-6,
+                  prefill_base_s=0.003, prefill_per_token_s=1e-4, noise_sigma=0.15)
+
+
+@pytest.fixture(scope="module")
+def profiled() -> dict[str, Any]:
+    engine = SimulatedEngine(TRUTH, 4, seed=5)
+    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
+                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0))
+    _, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
+    return {"id": "simulated", "key": {"host": {}, "build": {}}, "fit": fit, "samples": s, "notes": [],
+            "ranges": {"max_seqs": 4, "max_context_per_seq": max(prof.DECODE_PROMPTS) + prof.DECODE_TOKENS,
+                       "max_prompt_tokens": max(prof.PREFILL_TOKENS)}}
+
+
+def workload(options: CapacityOptions, cap: int) -> list[Request]:
+    rng = random.Random(1)
+    return [Request(i, "", tuple(range(rng.randint(64, 200))), rng.randint(32, 64), None)
+            for i in range(options.pool_size(cap, 2))]
+
+
+def test_the_prediction_matches_the_search_on_the_profiled_engine(profiled: dict[str, Any]) -> None:
+    options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
+    pool = workload(options, 4)
+    got = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=4)
+    measured = statistics.median(simulated_capacity(TRUTH, 4, pool, options, 2048, seed)["requests_per_s"]
+                                 for seed in range(100, 105))
+    cap = got["capacity"]
+    assert got["predicted"] is True and cap["verdict"] == "meets"
+    assert cap["requests_per_s"] == pytest.approx(measured, rel=options.tolerance)  # the search's own resolution
+    lo, hi = cap["band"]
+    assert lo <= cap["requests_per_s"] <= hi and lo <= measured * (1 + options.tolerance)
+    assert hi >= measured * (1 - options.tolerance)
+    assert not [n for n in got["notes"] if n.startswith("extrapolated")]  # inside the profiled ranges
+    rates = [p["rate_rps"] for p in got["curve"]]
+    p90 = [p["ttft_ms"]["p90"] for p in got["curve"]]
+    assert rates == sorted(rates) and p90[-1] > p90[0]  # latency grows with load
+
+
+def test_a_batch_cap_past_the_profile_is_extrapolated_with_a_wider_band(profiled: dict[str, Any]) -> None:
+    options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
+    pool = workload(options, 8)
+    inside = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=2)
+    beyond = predict(profiled, SimpleNamespace(batch_cap=8, ubatch=0), pool, options, replicates=2)
+    assert any(n.startswith("extrapolated: 8 sequences, the profile measured up to 4") for n in beyond["notes"])
+    width = [c["capacity"]["band"][1] - c["capacity"]["band"][0] for c in (inside, beyond)]
+    assert width[1] >= width[0] + beyond["capacity"]["requests_per_s"] * 0.9  # widened by (8/4 - 1) x the rate

@@ -1,0 +1,104 @@
+"""The profile's measurement protocol and fit, run against a simulated engine whose step model is known; the cache's
+rule that a profile from another host or build is measured again, with a note."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tuner.predict import profile as prof
+from tuner.predict.fit import bootstrap_models, fit_step_model
+from tuner.predict.simulate import SimulatedEngine, StepModel
+
+TRUTH = StepModel(decode_base_s=0.010, decode_per_seq_s=0.002, decode_per_context_token_s=2e-6,
+                  prefill_base_s=0.003, prefill_per_token_s=1e-4)
+
+
+def profile_samples(model: StepModel, batch_cap: int = 4, seed: int = 0) -> dict[str, Any]:
+    engine = SimulatedEngine(model, batch_cap, seed=seed)
+    return prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)),
+                                batch_cap, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(seed))
+
+
+def test_the_protocol_recovers_a_known_step_model() -> None:
+    s = profile_samples(TRUTH)
+    assert {d["seqs"] for d in s["decode"]} == {1, 2, 4}
+    assert [k for k, _ in fit_step_model(s["decode"], s["prefill"])[0].decode_by_batch_s] == [1, 2, 4]
+    model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
+    for k in (1, 2, 3, 4):
+        for ctx in (0, 100 * k, 300 * k):
+            assert model.decode_s(k, ctx) == pytest.approx(TRUTH.decode_s(k, ctx), rel=1e-3), (k, ctx)
+    assert model.decode_per_context_token_s == pytest.approx(TRUTH.decode_per_context_token_s, rel=1e-3)
+    for tokens in (1, 100, 1000):
+        assert model.prefill_s(tokens) == pytest.approx(TRUTH.prefill_s(tokens), rel=1e-3)
+    assert fit["decode"]["rmse_s"] < 1e-6 and model.noise_sigma == pytest.approx(0.0, abs=1e-6)
+
+
+def test_noisy_steps_give_the_noise_and_a_parameter_spread() -> None:
+    noisy = StepModel(**{**TRUTH.to_dict(), "noise_sigma": 0.2})
+    s = profile_samples(noisy, seed=1)
+    model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
+    assert model.noise_sigma == pytest.approx(0.2, rel=0.25)
+    # the per-step decode cost at each batch size is recovered within the noise's reach
+    for k in (1, 2, 4):
+        assert model.decode_s(k, k * 100) == pytest.approx(TRUTH.decode_s(k, k * 100), rel=0.1)
+    boots = bootstrap_models(s["decode"], s["prefill"], model, 20, seed=2)
+    spread = [m.decode_s(4, 400) for m in boots]
+    assert max(spread) > min(spread)  # the resamples differ
+    assert min(spread) < TRUTH.decode_s(4, 400) * 1.15 and max(spread) > TRUTH.decode_s(4, 400) * 0.85
+
+
+def test_wave_gaps_keep_only_steps_where_the_whole_wave_decodes() -> None:
+    # two requests sent together whose prompts differ: the short one decodes alone while the long one's prompt runs
+    # (in the same steps), and finishes first; only the gaps with both decoding and both unfinished count
+    from tuner.workload import Request
+
+    engine = SimulatedEngine(TRUTH, batch_cap=2, token_budget=64)
+    reqs = [Request(0, "", tuple(range(16)), 20, None), Request(1, "", tuple(range(200)), 40, None)]
+    results = engine.run(reqs, concurrency=2).results
+    kept = prof.wave_gaps(results, 16)
+    both_from = max(r.send_s + r.ttft_ms / 1e3 for r in results)
+    first_end = min(r.send_s + r.e2e_ms / 1e3 for r in results)
+    assert kept and all(k == 2 for k, _, _ in kept)
+    steps = round((first_end - both_from) / TRUTH.decode_s(2, 0), 0)
+    assert 0 < len(kept) <= 2 * steps
+
+
+def fake_profile(key: dict[str, Any]) -> dict[str, Any]:
+    s = profile_samples(TRUTH)
+    _, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
+    return {"version": prof.VERSION, "id": prof.profile_id(key), "key": key, "measured_at": "then", "batch_cap": 4,
+            "ranges": {"max_seqs": 4, "max_context_per_seq": 300, "max_prompt_tokens": 384}, "fit": fit,
+            "samples": {"decode": s["decode"], "prefill": s["prefill"], "gaps": []}, "notes": []}
+
+
+def test_a_profile_from_another_host_is_measured_again_with_a_note(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from tuner.config import TrialConfig
+
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path))
+    config = TrialConfig(model="smollm2-135m", engine="llamacpp", quant="Q8_0", batch_cap=4)
+    key = {"engine": "llamacpp", "build": {"commit": "x"}, "model": {"name": "m", "gguf_sha256": "abc"},
+           "format": {"quant": "Q8_0"}, "host": {"cpu_model": "this", "cores": 2}}
+    elsewhere = dict(key, host={"cpu_model": "another", "cores": 64})
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / f"{prof.profile_id(elsewhere)}.json").write_text(json.dumps(fake_profile(elsewhere)))
+    measured: list[int] = []
+    monkeypatch.setattr(prof, "profile_key", lambda c: key)
+
+    def measure(c: Any, cap: int, log: Any = None) -> dict[str, Any]:  # the real one starts llama-server
+        measured.append(cap)
+        return fake_profile(key)
+
+    monkeypatch.setattr(prof, "measure_profile", measure)
+    first = prof.load_or_measure(config, 4)
+    assert measured == [4] and not first["cached"]
+    assert any("from another host" in n and "not reused" in n for n in first["notes"])
+    again = prof.load_or_measure(config, 4)  # this host's is cached now
+    assert measured == [4] and again["cached"]
+    wider = prof.load_or_measure(config, 8)  # a wider batch than profiled: measured again
+    assert measured == [4, 8] and any("covers up to 4 sequences" in n for n in wider["notes"])

@@ -1,0 +1,143 @@
+"""`tuner predict`: the capacity `tuner bench --capacity` would measure, predicted in seconds from an engine profile.
+
+The same configuration, workload and SLO flags as `tuner bench --capacity`; the engine's profile (tuner profile) is
+measured first when this host and build have none. The real capacity search runs against a simulated engine in
+virtual time (tuner.predict); every figure printed or written is predicted, never measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+from tuner.cli.bench import add_capacity_args, capacity_options
+from tuner.cli.common import (
+    add_config_args,
+    add_workload_args,
+    check_output_path,
+    config_from_args,
+    workload_from_args,
+    write_json_atomic,
+)
+from tuner.errors import TunerError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("predict", help="predict a configuration's capacity from its engine profile (no measuring)",
+                       description="Predict what `tuner bench --capacity` would measure: the real capacity search "
+                                   "(same bracket and verdict rules) run on a simulated engine whose step times come "
+                                   "from this host's engine profile (`tuner profile`, measured first when missing). "
+                                   "Every figure is predicted. llama.cpp only so far.")
+    add_config_args(p)
+    add_workload_args(p)
+    add_capacity_args(p)  # --capacity is implied (accepted for the same command line as bench)
+    g = p.add_argument_group("prediction")
+    g.add_argument("--at-rate", type=float, action="append", default=[], metavar="R",
+                   help="also predict what `tuner bench --rate R` (same workload flags) would print; repeatable")
+    g.add_argument("--replicates", type=int, default=4,
+                   help="simulations with resampled fit parameters for the band (default 4)")
+    g.add_argument("--refresh-profile", action="store_true", help="measure the engine profile again")
+    g.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
+
+
+def check_args(args: argparse.Namespace, config: Any) -> None:
+    if config.engine != "llamacpp":
+        raise TunerError(f"--engine {config.engine!r}: predictions need an engine profile, measured for llamacpp "
+                         "only so far; expected --engine llamacpp")
+    if not 0 <= args.replicates <= 100:
+        raise TunerError(f"--replicates {args.replicates} is invalid: expected an integer in [0, 100]")
+    for r in args.at_rate:
+        if not r > 0:
+            raise TunerError(f"--at-rate {r} is invalid: expected a number of requests per second > 0")
+
+
+def workloads(config: Any, spec: Any, options: Any, at_rates: list[float]) -> tuple[list[Any], list[Any]]:
+    """The capacity pool `tuner bench --capacity` builds for this workload (same seed, same prompts), and for each
+    --at-rate the requests and warm-up `tuner bench --rate` sends."""
+    from tuner.models import checkpoint_dir
+    from tuner.quantize import load_tokenizer
+    from tuner.workload import build_workload
+
+    tokenizer = load_tokenizer(checkpoint_dir(config.model))
+    warm_n = max(2, config.batch_cap)
+    cap_spec = replace(spec, requests=max(spec.requests, options.pool_size(config.batch_cap, measurements=2)))
+    pool = (build_workload(cap_spec, tokenizer) if spec.trace
+            else build_workload(replace(cap_spec, requests=cap_spec.requests + warm_n), tokenizer)[:cap_spec.requests])
+    fixed = []
+    for rate in at_rates:
+        rate_spec = replace(spec, rate=rate, concurrency=None)
+        if spec.trace:
+            reqs = build_workload(rate_spec, tokenizer)
+            fixed.append((rate, reqs, reqs[:warm_n]))
+        else:
+            both = build_workload(replace(rate_spec, requests=spec.requests + warm_n), tokenizer)
+            fixed.append((rate, both[:spec.requests], both[spec.requests:]))
+    return pool, fixed
+
+
+def run(args: argparse.Namespace) -> int:
+    from tuner.targets import build_slo
+
+    config = config_from_args(args)
+    check_args(args, config)
+    spec = workload_from_args(args)
+    out_path = check_output_path(args.json)
+    _, slo = build_slo(args.latency_target, args.latency_metric, args.slo, args.attainment, args.confidence)
+    options = capacity_options(args, slo, spec.seed, spec.arrival)
+    from tuner.predict.estimate import predict
+    from tuner.predict.profile import load_or_measure
+
+    def log(s: str) -> None:
+        print(s, file=sys.stderr)
+
+    profile = load_or_measure(config, config.batch_cap, refresh=args.refresh_profile, log=log)
+    pool, fixed = workloads(config, spec, options, args.at_rate)
+    t, cpu = time.perf_counter(), time.process_time()
+    result = predict(profile, config, pool, options, replicates=args.replicates, seed=spec.seed, at_rates=fixed)
+    result["predict_s"], result["predict_cpu_s"] = time.perf_counter() - t, time.process_time() - cpu
+    result = {"predicted": True, "config": config.to_dict(), "workload": spec.to_dict(), **result,
+              "profile_path": profile.get("path"), "profile_cached": profile.get("cached")}
+    print(format_prediction(result))
+    if out_path:
+        write_json_atomic(out_path, result)
+    return 0
+
+
+def _ms(v: Any) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _band(b: Any, digits: int = 0) -> str:
+    lo, hi = b or (None, None)
+    return "[-]" if lo is None else f"[{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def format_prediction(r: dict[str, Any]) -> str:
+    c, cap, cal = r["config"], r["capacity"], r["calibration"]
+    slo = r["search"]["slo"]
+    lines = [f"PREDICTED (not measured): model={c['model']} engine={c['engine']} quant={c['quant']} "
+             f"batch_cap={c['batch_cap']} kv_type={c.get('kv_type')}",
+             f"  profile {r['profile']} ({'cached' if r.get('profile_cached') else 'measured now'}, "
+             f"{cal['profile_measured_at']}, {cal['profile_host'].get('cpu_model')} x{cal['profile_host'].get('cores')}"
+             f"); decode fit RMSE {1e3 * (cal['decode_fit']['rmse_s'] or 0):.2f} ms over {cal['decode_fit']['n']}, "
+             f"prefill fit RMSE {1e3 * (cal['prefill_fit']['rmse_s'] or 0):.1f} ms over {cal['prefill_fit']['n']}",
+             f"predicted capacity: {cap['requests_per_s']:.3f} req/s, band {_band(cap['band'], 3)} "
+             f"({cal['replicates']} resampled fits), verdict {cap['verdict'].upper()} for SLO "
+             f"{'; '.join(slo['bounds'])} at {slo['confidence']:.0%}",
+             f"predicted saturation: {cap['saturation_rps']:.3f} req/s",
+             f"  {'rate req/s':>11}{'ttft p50':>10}{'ttft p90':>10}{'ttft p99':>10}{'tpot p50':>10}{'e2e p90':>10}"
+             "   (predicted, ms)"]
+    for p in r["curve"]:
+        lines.append(f"  {p['rate_rps']:>11.3f}{_ms(p['ttft_ms']['p50']):>10}{_ms(p['ttft_ms']['p90']):>10}"
+                     f"{_ms(p['ttft_ms']['p99']):>10}{_ms(p['tpot_ms']['p50']):>10}{_ms(p['e2e_ms']['p90']):>10}")
+    for p in r.get("at_rates") or []:
+        t = p["ttft_ms"]
+        lines.append(f"at {p['rate_rps']:g} req/s as `tuner bench --rate` (predicted, n={t['n']}): TTFT p50 "
+                     f"{_ms(t['p50'])} {_band(t['band']['p50'])}, p90 {_ms(t['p90'])} {_band(t['band']['p90'])}, "
+                     f"p99 {_ms(t['p99'])} ms; TPOT p50 {_ms(p['tpot_ms']['p50'])} ms")
+    lines.append(f"predicted in {r['predict_s']:.2f} s ({r['predict_cpu_s']:.2f} s CPU)")
+    lines.extend(f"  note: {n}" for n in r.get("notes") or [])
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""`tuner profile`: measure an engine's step times on this host (decode against running sequences and context,
+prefill against prompt tokens), fitted to the step model `tuner predict` simulates (tuner.predict.profile)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tuner.cli.common import add_config_args, check_output_path, config_from_args, write_json_atomic
+from tuner.errors import TunerError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure an engine's step times on this host (for tuner predict)",
+                       description="Start the engine for the configuration (at --batch-cap server slots), measure "
+                                   "decode step time against running sequences and context, and prefill time against "
+                                   "prompt tokens; fit the step model and cache it under $TUNER_CACHE/profiles, keyed "
+                                   "by engine build, model hash, format and host. llama.cpp only so far.")
+    add_config_args(p)
+    p.add_argument("--refresh", action="store_true", help="measure again even when a profile is cached")
+    p.add_argument("--json", metavar="FILE", help="also write the profile to FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if config.engine != "llamacpp":
+        raise TunerError(f"--engine {config.engine!r}: engine profiles are measured for llamacpp only so far; "
+                         "expected --engine llamacpp")
+    out_path = check_output_path(args.json)
+    from tuner.predict.profile import load_or_measure
+
+    profile = load_or_measure(config, config.batch_cap, refresh=args.refresh,
+                              log=lambda s: print(s, file=sys.stderr))
+    print(format_profile(profile))
+    if out_path:
+        write_json_atomic(out_path, profile)
+    return 0
+
+
+def format_profile(p: dict[str, Any]) -> str:
+    m, fit, key = p["fit"]["model"], p["fit"], p["key"]
+    cost = p.get("cost_s") or {}
+    lines = [f"profile {p['id']} ({'cached' if p.get('cached') else 'measured now'}): {p.get('path')}",
+             f"  {key['engine']} {key['build']['commit']} (server {key['build']['server_sha256']}), model "
+             f"{key['model']['name']} ({key['model']['gguf_sha256']}), {key['format']['quant']} kv "
+             f"{key['format']['kv_type']}, host {key['host']['cpu_model']} x{key['host']['cores']}",
+             f"  measured {p.get('measured_at')} at -np {p['batch_cap']} (sequences {p['concurrencies']}) in "
+             f"{cost.get('total', 0):.0f} s (startup {cost.get('startup', 0):.0f}, prefill {cost.get('prefill', 0):.0f}, "
+             f"decode {cost.get('decode', 0):.0f})",
+             "  decode step = " + (", ".join(f"{t * 1e3:.1f} ms at {k}" for k, t in m["decode_by_batch_s"]) + " sequences"
+                                   if m.get("decode_by_batch_s") else f"{m['decode_base_s'] * 1e3:.2f} ms + "
+                                   f"{m['decode_per_seq_s'] * 1e3:.3f} ms/sequence")
+             + f" + {m['decode_per_context_token_s'] * 1e6:.3f} us/context token (RMSE {fit['decode']['rmse_s'] * 1e3:.2f} "
+             f"ms, {fit['decode']['relative_rmse']:.0%}, n={fit['decode']['n']}); step noise sigma "
+             f"{m['noise_sigma']:.2f}",
+             f"  prefill alone = {(m['decode_base_s'] + m['prefill_base_s']) * 1e3:.1f} ms + "
+             f"{m['prefill_per_token_s'] * 1e3:.3f} ms/prompt token (RMSE {fit['prefill']['rmse_s'] * 1e3:.1f} ms, "
+             f"{fit['prefill']['relative_rmse']:.0%}, n={fit['prefill']['n']})"]
+    lines.extend(f"  note: {n}" for n in p.get("notes") or [])
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""Predicted capacity: the real capacity search (tuner.capacity.CapacitySearch: same warm-up, canaries, saturation
+probe, bracket and verdict rules) driven by a simulated engine (tuner.predict.simulate) whose step times come from
+an engine profile (tuner.predict.profile), and the load generator's figures at fixed rates (what `tuner bench
+--rate R` would print), every figure predicted.
+
+The band: the same search re-run with `replicates` StepModels refitted to the profile's fitted values plus
+resampled residuals (tuner.predict.fit.bootstrap_models), each with its own step-noise seed; band = [min, max] of
+those capacities and the point's. It carries the fit's parameter uncertainty and the simulated run's own sampling
+noise, not the model's structural error (a measured-vs-predicted history would; see the README). A configuration
+outside what the profile measured (more sequences, longer contexts or prompts) is extrapolated: said in `notes`, and
+the band widened each way by (f - 1) x the predicted rate, f the largest ratio by which it goes out of range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tuner.capacity import CapacityOptions, CapacitySearch
+from tuner.metrics import compute_metrics
+from tuner.predict.fit import bootstrap_models
+from tuner.predict.profile import step_model
+from tuner.predict.simulate import SimulatedEngine, StepModel
+from tuner.workload import Request, with_arrivals
+
+LLAMACPP_BATCH_TOKENS = 2048  # llama-server's default -b: decodes and prompt tokens per step at most
+CURVE_SHARES = (0.25, 0.5, 0.75, 0.9, 1.0)  # curve rates, as shares of the predicted saturation rate
+CURVE_REQUESTS = 120
+HOST_NOTE = "the host was busy"  # CapacitySearch's note on the real host's CPU load: meaningless in virtual time
+
+
+def token_budget(config: Any) -> int:
+    ubatch = getattr(config, "ubatch", 0) or 0
+    return max(LLAMACPP_BATCH_TOKENS, ubatch)
+
+
+def simulated_capacity(model: StepModel, batch_cap: int, pool: Sequence[Request], options: CapacityOptions,
+                       budget: int | None, seed: int) -> dict[str, Any]:
+    """One capacity search in virtual time; the real host's CPU accounting (meaningless here) left out."""
+    engine = SimulatedEngine(model, batch_cap, token_budget=budget, seed=seed)
+    result = CapacitySearch(engine.run, pool, batch_cap, options, clock=engine.clock).search()
+    result.pop("host", None)
+    result["notes"] = [n for n in result["notes"] if not n.startswith(HOST_NOTE)]
+    return result
+
+
+def percentiles(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: summary.get(k) for k in ("p50", "p90", "p99", "n")}
+
+
+def simulated_run(model: StepModel, batch_cap: int, requests: Sequence[Request], warmup: Sequence[Request],
+                  rate: float, arrival: str, arrival_seed: int, noise_seed: int, budget: int | None,
+                  ramp: int = 0) -> dict[str, Any]:
+    """What `tuner bench --rate` measures: a warm-up at the batch cap, then `requests` at `rate` (the arrivals the
+    workload's seed gives, as the real harness sends them); the first `ramp` requests left out of the figures."""
+    engine = SimulatedEngine(model, batch_cap, token_budget=budget, seed=noise_seed)
+    if warmup:
+        engine.run(list(warmup), concurrency=batch_cap)
+    load = engine.run(with_arrivals(list(requests), rate, arrival, arrival_seed))
+    m = compute_metrics([r for r in load.results if r.index >= ramp], load.duration_s)
+    return {"rate_rps": rate, "ttft_ms": percentiles(m["ttft_ms"]), "tpot_ms": percentiles(m["tpot_ms"]),
+            "e2e_ms": percentiles(m["e2e_ms"]), "achieved_rps": m["requests_per_s"], "failed": m["failed"]}
+
+
+def band_of(values: Sequence[float | None]) -> list[float | None]:
+    xs = [v for v in values if v is not None]
+    return [min(xs), max(xs)] if xs else [None, None]
+
+
+def with_bands(point: dict[str, Any], replicas: list[dict[str, Any]]) -> dict[str, Any]:
+    """A simulated run's figures with each percentile's band over the replicas (and the point)."""
+    out = dict(point)
+    for metric in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        out[metric] = dict(point[metric])
+        out[metric]["band"] = {p: band_of([point[metric][p]] + [r[metric][p] for r in replicas])
+                               for p in ("p50", "p90", "p99")}
+    return out
+
+
+def extrapolation(profile: dict[str, Any], batch_cap: int, pool: Sequence[Request]) -> tuple[float, list[str]]:
+    """How far past the profile's measured ranges this prediction goes (1 = within), and what it says."""
+    r = profile["ranges"]
+    longest = max((len(q.prompt_ids) + q.max_tokens for q in pool), default=0)
+    longest_prompt = max((len(q.prompt_ids) for q in pool), default=0)
+    factors = {"sequences": batch_cap / r["max_seqs"], "context per sequence": longest / r["max_context_per_seq"],
+               "prompt tokens": longest_prompt / r["max_prompt_tokens"]}
+    limits = {"sequences": r["max_seqs"], "context per sequence": r["max_context_per_seq"],
+              "prompt tokens": r["max_prompt_tokens"]}
+    values = {"sequences": batch_cap, "context per sequence": longest, "prompt tokens": longest_prompt}
+    notes = [f"extrapolated: {values[k]} {k}, the profile measured up to {limits[k]}" for k, f in factors.items()
+             if f > 1]
+    if notes:
+        notes.append(f"the band is widened by {max(factors.values()) - 1:.0%} of the predicted rate each way")
+    return max([1.0, *factors.values()]), notes
+
+
+def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], options: CapacityOptions,
+            replicates: int = 4, seed: int = 0, at_rates: Sequence[tuple[float, Sequence[Request],
+                                                                           Sequence[Request]]] = ()) -> dict[str, Any]:
+    """The predicted capacity of `config` under `options` on the capacity pool `pool`, its band, a latency-load
+    curve, and (`at_rates`: (rate, requests, warm-up)) the figures `tuner bench --rate` would measure."""
+    cap = config.batch_cap
+    budget = token_budget(config)
+    base = step_model(profile)
+    models = bootstrap_models(profile["samples"]["decode"], profile["samples"]["prefill"], base, replicates, seed)
+    point = simulated_capacity(base, cap, pool, options, budget, seed)
+    reps = [simulated_capacity(m, cap, pool, options, budget, seed + 1 + i) for i, m in enumerate(models)]
+    factor, notes = extrapolation(profile, cap, pool)
+    rate = point["requests_per_s"]
+    lo, hi = band_of([rate] + [r["requests_per_s"] for r in reps])
+    if factor > 1 and lo is not None and hi is not None:
+        lo, hi = max(lo - (factor - 1) * rate, 0.0), hi + (factor - 1) * rate
+    sat = point["saturation"]["requests_per_s"]
+    n = min(CURVE_REQUESTS, len(pool))
+    ramp = max(1, int(options.ramp_fraction * n))
+    curve = []
+    for share in CURVE_SHARES:
+        r = share * sat
+        runs = [simulated_run(m, cap, pool[:n], (), r, options.arrival, options.seed, seed + i, budget, ramp)
+                for i, m in enumerate([base, *models])]
+        curve.append(dict(with_bands(runs[0], runs[1:]), share_of_saturation=share))
+    fixed = []
+    for r, reqs, warm in at_rates:
+        runs = [simulated_run(m, cap, reqs, warm, r, options.arrival, options.seed, seed + i, budget)
+                for i, m in enumerate([base, *models])]
+        fixed.append(with_bands(runs[0], runs[1:]))
+    fit = profile["fit"]
+    return {
+        "predicted": True,
+        "capacity": {"requests_per_s": rate, "band": [lo, hi], "requests_per_s_ci": point["requests_per_s_ci"],
+                     "verdict": point["verdict"], "saturation_rps": sat,
+                     "replicates": [r["requests_per_s"] for r in reps]},
+        "curve": curve,
+        "at_rates": fixed,
+        "search": point,
+        "profile": profile["id"],
+        "calibration": {"step_model": base.to_dict(), "replicates": replicates,
+                        "decode_fit": {k: fit["decode"][k] for k in ("n", "rmse_s", "relative_rmse")},
+                        "prefill_fit": {k: fit["prefill"][k] for k in ("n", "rmse_s", "relative_rmse")},
+                        "extrapolation_factor": factor, "profile_measured_at": profile.get("measured_at"),
+                        "profile_host": profile["key"]["host"], "profile_build": profile["key"]["build"],
+                        "history": None},
+        "notes": notes + [f"profile: {n}" for n in profile.get("notes") or []]
+        + [f"simulated search: {n}" for n in point["notes"]],
+    }

@@ -1,0 +1,288 @@
+"""An engine profile: a short measurement of what drives a llama-server's speed on this host, fitted to a StepModel.
+
+Measured on a real llama-server started through tuner.engines.llamacpp (the argv `tuner bench` launches) at the
+largest batch cap to cover (-np), over its streaming API with the real load generator:
+* **decode**: waves of k fresh prompts sent together (k = 1, 2, 4, ... up to the batch cap), at two prompt lengths,
+  `DECODE_TOKENS` out each. Only the streamed gaps that fall while all k requests decode (after the wave's last first
+  token, before its first finish) are kept: each is one step of k sequences; their medians per quarter of the
+  output give (k, context tokens summed, step seconds) samples.
+* **prefill**: single requests of several prompt lengths (one token out) on the idle server: TTFT against tokens.
+Both fitted by tuner.predict.fit (residuals kept); raw gaps and TTFTs are stored in the profile.
+
+Cached as JSON under $TUNER_CACHE/profiles/<id>.json, the id a hash of the key: engine build (llama.cpp commit and
+the llama-server binary's sha256), the model's GGUF sha256, the format (weight type, KV type, threads, ubatch) and
+the host (CPU model, cores). A profile of the same model and format from another host or build is never reused: it
+is measured again and the profile says so in its notes; a cached one that covers a smaller batch cap too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tuner.config import TrialConfig
+from tuner.errors import TunerError
+from tuner.predict.fit import fit_step_model
+from tuner.predict.simulate import StepModel
+from tuner.workload import Request
+
+VERSION = 2  # 2: a decode step time per batch size measured
+PREFILL_TOKENS = (16, 64, 192, 384)
+PREFILL_REPEATS = 3
+DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
+DECODE_TOKENS = 32
+DECODE_WAVES = 2
+BIN_PARTS = 4  # a wave's kept gaps are summarised per quarter of the output (the context grows along it)
+
+
+def concurrencies(batch_cap: int) -> list[int]:
+    """1, 2, 4, ... below the batch cap, and the cap."""
+    out, k = [], 1
+    while k < batch_cap:
+        out.append(k)
+        k *= 2
+    return out + [batch_cap]
+
+
+def host_facts() -> dict[str, Any]:
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu_model": cpu, "cores": cores}
+
+
+def profile_key(config: TrialConfig) -> dict[str, Any]:
+    """What a profile is valid for (see the module docstring)."""
+    from tuner.engines.llamacpp import COMMIT, binary, source_gguf
+    from tuner.models import file_sha256
+
+    if config.engine != "llamacpp":
+        raise TunerError(f"--engine {config.engine!r}: engine profiles are measured for llamacpp only so far; "
+                         "expected --engine llamacpp")
+    if config.draft != "none":
+        raise TunerError(f"--draft {config.draft!r}: a profile of speculative decoding is not measured yet; "
+                         "expected --draft none")
+    return {"engine": "llamacpp",
+            "build": {"commit": COMMIT, "server_sha256": file_sha256(binary("llama-server"))[:16]},
+            "model": {"name": config.model, "gguf_sha256": file_sha256(source_gguf(config.model))[:16]},
+            "format": {"quant": config.quant, "kv_type": config.kv_type, "threads": config.threads,
+                       "ubatch": config.ubatch},
+            "host": host_facts()}
+
+
+def profile_id(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def profiles_dir() -> Path:
+    from tuner.models import cache_root
+
+    return cache_root() / "profiles"
+
+
+def step_model(profile: dict[str, Any]) -> StepModel:
+    return StepModel(**profile["fit"]["model"])
+
+
+def fresh_prompts(pool: list[int], n: int, prompt_tokens: int, max_tokens: int, rng: random.Random) -> list[Request]:
+    """`n` prompts of exactly `prompt_tokens` tokens, random windows of the real-text corpus (no shared prefix, so
+    llama-server's prompt cache has nothing to reuse)."""
+    out = []
+    for i in range(n):
+        start = rng.randrange(0, max(1, len(pool) - prompt_tokens))
+        ids = tuple(pool[start:start + prompt_tokens])
+        out.append(Request(i, "", ids, max_tokens, None))
+    return out
+
+
+def wave_gaps(results: list[Any], prompt_tokens: int) -> list[tuple[int, int, float]]:
+    """(sequences, context tokens summed, seconds) of each streamed gap that fell while every request of the wave
+    was decoding: after the wave's last first token, before its first finish."""
+    ok = [r for r in results if r.ok and r.ttft_ms is not None and r.e2e_ms is not None]
+    if len(ok) != len(results) or not ok:
+        return []
+    k = len(ok)
+    all_decoding = max(r.send_s + r.ttft_ms / 1e3 for r in ok)
+    first_end = min(r.send_s + r.e2e_ms / 1e3 for r in ok)
+    out = []
+    for r in ok:
+        t = r.send_s + r.ttft_ms / 1e3
+        for j, g_ms in enumerate(r.itl_ms, start=1):  # this gap's step extends a context of prompt + j tokens
+            start, t = t, t + g_ms / 1e3
+            if start >= all_decoding - 1e-6 and t <= first_end + 1e-6:
+                out.append((k, k * (prompt_tokens + j), g_ms / 1e3))
+    return out
+
+
+def decode_samples(gaps: list[tuple[int, int, float]], parts: int = BIN_PARTS) -> list[dict[str, Any]]:
+    """Medians of one wave's kept gaps per part of its output (the context grows along it)."""
+    if not gaps:
+        return []
+    lo = min(g[1] for g in gaps)
+    hi = max(g[1] for g in gaps)
+    width = max(1, (hi - lo + 1) / parts)
+    out = []
+    for p in range(parts):
+        part = [g for g in gaps if lo + p * width <= g[1] < lo + (p + 1) * width]
+        if len(part) >= 3:
+            out.append({"seqs": part[0][0], "context_tokens": statistics.median(g[1] for g in part),
+                        "step_s": statistics.median(g[2] for g in part), "n": len(part)})
+    return out
+
+
+def collect_samples(serve: Callable[[list[Request], int], list[Any]], pool: list[int], batch_cap: int,
+                    prefill_lengths: list[int], decode_prompts: list[int], rng: random.Random,
+                    log: Callable[[str], None] = lambda s: None,
+                    engine_prompt_ms: Callable[[int], float | None] = lambda index: None) -> dict[str, Any]:
+    """The profile's measurement protocol against `serve(requests, concurrency) -> results` (a real engine through
+    the load generator, or a simulated one): a warm-up, prefill samples, then decode waves at each concurrency.
+    `engine_prompt_ms(index)`: the engine's own prompt time of the last run's request `index`, kept beside TTFT."""
+    serve(fresh_prompts(pool, max(2, batch_cap), 64, 8, rng), batch_cap)  # warm-up, not kept
+    prefill: list[dict[str, Any]] = []
+    t = time.perf_counter()
+    for p in prefill_lengths:
+        for r in serve(fresh_prompts(pool, PREFILL_REPEATS, p, 1, rng), 1):
+            if r.ok and r.ttft_ms is not None:
+                prefill.append({"prompt_tokens": p, "ttft_s": r.ttft_ms / 1e3,
+                                "engine_prompt_ms": engine_prompt_ms(r.index)})
+    prefill_s = time.perf_counter() - t
+    log("prefill TTFT: " + ", ".join(f"{s['prompt_tokens']} tokens {s['ttft_s'] * 1e3:.0f} ms" for s in prefill))
+    decode: list[dict[str, Any]] = []
+    gaps: list[tuple[int, int, float]] = []
+    t = time.perf_counter()
+    for k in concurrencies(batch_cap):
+        for p in decode_prompts:
+            for _ in range(DECODE_WAVES):
+                wave = wave_gaps(serve(fresh_prompts(pool, k, p, DECODE_TOKENS, rng), k), p)
+                gaps += wave
+                decode += [dict(s, prompt_tokens=p) for s in decode_samples(wave)]
+        kept = [g[2] for g in gaps if g[0] == k]
+        log(f"decode at {k} sequences: {len(kept)} steps kept, median "
+            f"{statistics.median(kept) * 1e3 if kept else float('nan'):.1f} ms")
+    return {"prefill": prefill, "decode": decode, "gaps": gaps,
+            "cost_s": {"prefill": prefill_s, "decode": time.perf_counter() - t}}
+
+
+def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], None] = lambda s: None
+                    ) -> dict[str, Any]:
+    """Start llama-server for `config` at -np `batch_cap`, measure, stop it; the profile (unwritten)."""
+    from tuner.engines.llamacpp import LlamaCppEngine
+    from tuner.loadgen import run_load
+    from tuner.models import checkpoint_dir
+    from tuner.quantize import load_tokenizer
+    from tuner.workload import token_pool
+
+    key = profile_key(config)
+    t_start = time.perf_counter()
+    served = config.replace(batch_cap=batch_cap)
+    engine = LlamaCppEngine(served, ignore_eos=True)
+    engine.prepare()
+    pool = token_pool(load_tokenizer(checkpoint_dir(config.model)))
+    rng = random.Random(f"profile-{profile_id(key)}")
+    slot_ctx = (engine.ctx_tokens or 0) // batch_cap
+    notes: list[str] = []
+    prefill_lengths = [p for p in PREFILL_TOKENS if p + 1 <= slot_ctx]
+    decode_prompts = [p for p in DECODE_PROMPTS if p + DECODE_TOKENS <= slot_ctx]
+    if len(prefill_lengths) < 2 or not decode_prompts:
+        raise TunerError(f"-c {engine.ctx_tokens} gives {slot_ctx} tokens per slot at -np {batch_cap}: too few to "
+                         f"profile (prompts up to {max(PREFILL_TOKENS)} tokens); expected a larger --kv-fraction")
+    if len(prefill_lengths) < len(PREFILL_TOKENS):
+        notes.append(f"prompts profiled up to {max(prefill_lengths)} tokens ({slot_ctx} tokens per slot)")
+
+    def serve(reqs: list[Request], k: int) -> list[Any]:
+        return run_load(engine, reqs, concurrency=k, timeout_s=300.0, progress=False).results
+
+    def prompt_ms(index: int) -> float | None:  # llama-server's own timings of the last run's request
+        return (engine.request_timings().get(f"r{index}") or {}).get("prompt_ms")
+
+    engine.start()
+    try:
+        startup_s = time.perf_counter() - t_start
+        samples = collect_samples(serve, pool, batch_cap, prefill_lengths, decode_prompts, rng, log, prompt_ms)
+        info = engine.info()
+    finally:
+        engine.stop(drain=False)
+    prefill, decode, gaps = samples["prefill"], samples["decode"], samples["gaps"]
+    if len(prefill) < 4 or len(decode) < 3:
+        raise RuntimeError(f"profile: too few samples ({len(prefill)} prefill, {len(decode)} decode): the server's "
+                           "requests failed")
+    _, fit = fit_step_model(decode, prefill, gaps)
+    return {
+        "version": VERSION, "id": profile_id(key), "key": key,
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "batch_cap": batch_cap, "concurrencies": concurrencies(batch_cap),
+        "ranges": {"max_seqs": batch_cap, "max_context_per_seq": max(decode_prompts) + DECODE_TOKENS,
+                   "max_prompt_tokens": max(prefill_lengths)},
+        "fit": fit,
+        "samples": {"decode": decode, "prefill": prefill,
+                    "gaps": [[k, ctx, round(g, 6)] for k, ctx, g in gaps]},
+        "cost_s": {"total": time.perf_counter() - t_start, "startup": startup_s, **samples["cost_s"]},
+        "server": {"argv": info.get("argv"), "ctx_tokens": info.get("ctx_tokens")},
+        "notes": notes,
+    }
+
+
+def read_profile(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("version") == VERSION and "fit" in data else None
+
+
+def differs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The parts of two profile keys that differ (build, host, ...)."""
+    return [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def other_profiles(key: dict[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
+    """Cached profiles of the same model and format made under another key (another host or build)."""
+    out = []
+    for path in sorted(profiles_dir().glob("*.json")) if profiles_dir().is_dir() else []:
+        p = read_profile(path)
+        k = (p or {}).get("key") or {}
+        if p and k.get("model") == key["model"] and k.get("format") == key["format"] and k != key:
+            out.append((path, p))
+    return out
+
+
+def load_or_measure(config: TrialConfig, batch_cap: int, refresh: bool = False,
+                    log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """The cached profile for `config` on this host and build covering `batch_cap` sequences, else a new one
+    (measured, written, and its notes say why it was measured). `profile["cached"]` says which."""
+    from tuner.files import write_json_atomic
+
+    key = profile_key(config)
+    path = profiles_dir() / f"{profile_id(key)}.json"
+    notes: list[str] = []
+    cached = read_profile(path) if path.exists() else None
+    if path.exists() and cached is None:
+        notes.append(f"the cached profile {path} was unreadable or of another version: measured again")
+    if cached is not None and not refresh:
+        if cached["batch_cap"] >= batch_cap:
+            return dict(cached, cached=True, path=str(path))
+        notes.append(f"the cached profile covers up to {cached['batch_cap']} sequences, {batch_cap} asked: "
+                     "measured again")
+        batch_cap = max(batch_cap, cached["batch_cap"])
+    for other, prof in other_profiles(key):
+        notes.append(f"a profile of this model and format from another {' and '.join(differs(prof['key'], key))} "
+                     f"({other.name}, measured {prof.get('measured_at')}) is not reused here: measured again")
+    log(f"profiling {config.model} {config.quant} on llama.cpp at -np {batch_cap} (concurrencies "
+        f"{concurrencies(batch_cap)})")
+    profile = measure_profile(config, batch_cap, log)
+    profile["notes"] = notes + profile["notes"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, profile)
+    return dict(profile, cached=False, path=str(path))
