@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("tuner.cli.worker", "join an existing search study as one more worker"),
     "export": ("tuner.cli.export", "export a trial's config to vLLM, SGLang, TGI, llama.cpp or transformers"),
     "dashboard": ("tuner.cli.dashboard", "open the Streamlit dashboard"),
+    "profile": ("tuner.cli.profile", "measure an engine's step times on this host (for tuner predict)"),
+    "predict": ("tuner.cli.predict", "predict a configuration's capacity from its engine profile"),
 }
 
 
