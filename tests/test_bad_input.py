@@ -89,6 +89,10 @@ CASES = [
     pytest.param([*S, "--slo", "ttft:p99<0ms"], "'0ms' is invalid: expected a time > 0", id="search-slo-zero"),
     pytest.param([*S, "--slo", "ttft:p99<3"], "'3' is invalid: expected a number with a unit", id="search-slo-unit"),
     pytest.param([*S, "--latency-target", "1s", "--trials", "-1"], "--trials -1 is invalid", id="search-trials"),
+    # issue 24: the defaults' old p99 with probes of 30:120 measured for 25 minutes and could never be feasible
+    pytest.param([*S, "--latency-target", "5s", "--latency-metric", "ttft:p99", "--probe-requests", "30:120"],
+                 "--probe-requests 30:120 cannot show this SLO: ttft:p99<5000ms needs at least 597 requests",
+                 id="search-slo-no-probe-can-show"),
     pytest.param([*S, "--latency-target", "1s", "--trial-memory", "0"], "--trial-memory 0 is invalid: expected GB",
                  id="search-trial-memory"),
     pytest.param([*S, "--latency-target", "1s", "--trial-timeout", "0s"], "--trial-timeout '0s' is invalid",

@@ -82,13 +82,13 @@ class CapacityOptions:
     file's `capacity:` section read their defaults from here)."""
 
     slo: SLO
-    probe_requests: tuple[int, int] = (30, 120)  # a probe's first pass (at least what its percentile needs), and
+    probe_requests: tuple[int, int] = (30, 120)  # DEFAULT_PROBE_REQUESTS; a probe's first pass (at least what its percentile needs), and
     # its cap after one more pass at an undecided rate
     max_probes: int = 5  # open-loop probes (the saturation probe not counted); the lower bound's alpha is spent
     # over all of them
     max_requests: int = 600  # the rate probes together, lead-ins included (the warm-up and saturation, sized by the
     # batch cap, come on top: a server with 128 slots needs its 128-request warm-up and a saturation beyond 128)
-    max_wall_s: float = 600.0  # no new probe starts past this (a started probe may run to its own time limit)
+    max_wall_s: float = 600.0  # DEFAULT_TIMEOUT_S; no new probe starts past this (a started probe may run to its own time limit)
     tolerance: float = 0.1  # stop when (high - low) <= tolerance * high
     ramp_fraction: float = 0.1  # a probe's lead-in is at least this share of its measured requests
     arrival: str = "poisson"
@@ -146,6 +146,25 @@ class CapacityOptions:
         last = (LOOKS_PER_PROBE + 1) * self.probe_requests[1]
         one = self.warmup_count(batch_cap) + self.saturation_count(batch_cap) + self.max_requests + last
         return measurements * one
+
+
+def requests_to_show(slo: SLO, look_confidence: float) -> int:
+    """Requests a probe needs before `meets` is possible at all (every one within), for the most demanding SLO term
+    at the per-look confidence: p90 needs 57 at 95% over the default 5 probes x 2 looks, p99 597."""
+    qs = [float(b.stat[1:]) / 100 for b in slo.bounds if b.stat != "mean"]
+    if slo.targets_ms:
+        qs.append(float(slo.attainment))
+    return max((min_samples_to_meet(q, look_confidence) for q in qs), default=5)
+
+
+def probe_requests_for(slo: SLO, max_probes: int, given: tuple[int, int] | None) -> tuple[int, int]:
+    """A probe's size: as given, or following the SLO's percentile -- a first pass of what the percentile needs
+    (at least `DEFAULT_PROBE_REQUESTS`'s first) and a cap of twice that (at least its cap)."""
+    if given is not None:
+        return given
+    first, cap = DEFAULT_PROBE_REQUESTS
+    need = requests_to_show(slo, CapacityOptions(slo=slo, max_probes=max_probes).look_confidence())
+    return max(first, need), max(cap, 2 * need)
 
 
 # ------------------------------------------------------------------------------------- probe verdicts --- #
@@ -514,10 +533,7 @@ class CapacitySearch:
 
     def min_needed(self) -> int:
         """Requests a probe needs before `meets` is possible at all, for the most demanding SLO term."""
-        qs = [float(b.stat[1:]) / 100 for b in self.o.slo.bounds if b.stat != "mean"]
-        if self.o.slo.targets_ms:
-            qs.append(float(self.o.slo.attainment))
-        return max((min_samples_to_meet(q, self.o.look_confidence()) for q in qs), default=5)
+        return requests_to_show(self.o.slo, self.o.look_confidence())
 
     def first_probe_s(self, saturation_rps: float) -> float:
         """How long the first rate probe's first pass takes (it starts at FIRST_PROBE x the saturation rate), its
@@ -715,6 +731,8 @@ def describe_conditions(result: dict[str, Any]) -> str:
                      + ([f"host {busy:.0%} busy at most"] if busy is not None else []))
 
 
+DEFAULT_PROBE_REQUESTS = (30, 120)  # the least first pass and cap of a probe sized by its percentile
+DEFAULT_TIMEOUT_S = 600.0  # one capacity measurement's budget (`--capacity-timeout`)
 FIRST_PROBE = 0.75  # the first rate probed, as a share of the saturation rate
 LOOKS_PER_PROBE = 2  # a probe's first pass, and one more pass while undecided
 STEADY_RISE = 0.25  # a probe's second half worse than its first by more than this share of it and of the limit ...

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tuner.capacity import CapacityOptions
 from tuner.child import run_child
 from tuner.config import TrialConfig
 from tuner.space import Space, suggest_config
@@ -54,9 +55,9 @@ class SearchContext:
     study_dir: Path = Path("results")
     cost_per_hour: float | None = None
     target_rate: float | None = None  # req/s the user must serve: replicas = ceil(target / capacity)
-    probe_requests: tuple[int, int] = (30, 120)
-    max_probes: int = 5
-    capacity_timeout_s: float = 600.0
+    probe_requests: tuple[int, int] = CapacityOptions.probe_requests  # tuner.capacity: every default's one home
+    max_probes: int = CapacityOptions.max_probes
+    capacity_timeout_s: float = CapacityOptions.max_wall_s
     saturation_requests: int | None = None
     quality_max_limit: int | None = None  # escalation cap for an undecided quality gate
     max_kld: float | None = None  # KLD screen before lm-eval

@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_capacity_args(p: argparse.ArgumentParser, with_switch: bool = True) -> None:
     """SLO and capacity-search flags (shared by `tuner bench --capacity` and `tuner search`)."""
-    from tuner.targets import DEFAULT_ATTAINMENT
+    from tuner.targets import DEFAULT_ATTAINMENT, DEFAULT_LATENCY_METRIC
 
     g = p.add_argument_group("capacity: the highest rate served within the SLO (see tuner/capacity.py)")
     if with_switch:
@@ -50,17 +50,19 @@ def add_capacity_args(p: argparse.ArgumentParser, with_switch: bool = True) -> N
                        help="measure capacity: warm-up, saturation probe, then a bracketed search over the arrival "
                             "rate for the highest rate at which every SLO term holds with confidence")
         g.add_argument("--latency-target", metavar="TIME", help="with --capacity: bound on --latency-metric (300ms)")
-        g.add_argument("--latency-metric", default="ttft:p99", help="METRIC:STAT (default ttft:p99)")
+        g.add_argument("--latency-metric", default=DEFAULT_LATENCY_METRIC,
+                       help=f"METRIC:STAT (default {DEFAULT_LATENCY_METRIC})")
         g.add_argument("--slo", help="'ttft:p99<300ms;tpot:p50<50ms' bounds and/or per-request targets "
                                      "'ttft<300ms;tpot<50ms' (with --attainment)")
     g.add_argument("--attainment", type=float, metavar="SHARE",
                    help=f"share of requests that must meet every per-request target (default {DEFAULT_ATTAINMENT})")
     g.add_argument("--confidence", type=float, default=0.95, help="confidence of every verdict (default 0.95)")
     g.add_argument("--probe-requests", metavar="A:B",
-                   help="requests per rate probe: A first, pooled up to B while undecided (default 30:120)")
+                   help="requests per rate probe: A first, pooled up to B while undecided (default: sized by the "
+                        "SLO's percentile, at least 30:120; p90: 57:120)")
     g.add_argument("--max-probes", type=int, help="rate probes at most (default 5)")
     g.add_argument("--capacity-timeout", metavar="DURATION",
-                   help="no new probe starts after this long (default 10m)")
+                   help="no new probe starts after this long (default 600s)")
     g.add_argument("--saturation-requests", type=int, metavar="N",
                    help="most requests the saturation probe sends; it stops once its steady window holds "
                         "max(in-flight, 32) completions over 10 s (default 2 x (in-flight + that))")
@@ -84,7 +86,13 @@ def recorded_slo(path: str | None) -> Any:
     return SLO.from_dict(slo) if isinstance(slo, dict) else None
 
 
-CAPACITY_DEFAULTS = {"probe_requests": "30:120", "max_probes": 5, "timeout": "10m", "saturation_requests": None}
+def capacity_defaults() -> dict[str, Any]:
+    """The capacity settings' defaults, read from their one home (tuner.capacity); `probe_requests` None: sized
+    by the SLO's percentile (tuner.capacity.probe_requests_for)."""
+    from tuner.capacity import DEFAULT_TIMEOUT_S, CapacityOptions
+
+    return {"probe_requests": None, "max_probes": CapacityOptions.max_probes, "timeout": f"{DEFAULT_TIMEOUT_S:g}s",
+            "saturation_requests": None}
 
 
 def capacity_settings(args: argparse.Namespace, base: dict[str, Any] | None = None,
@@ -94,7 +102,7 @@ def capacity_settings(args: argparse.Namespace, base: dict[str, Any] | None = No
     from tuner.targets import parse_duration_s
     from tuner.workload import parse_range
 
-    s = {**CAPACITY_DEFAULTS, **(base or {})}
+    s = {**capacity_defaults(), **(base or {})}
     flags = {"probe_requests": "--probe-requests", "max_probes": "--max-probes", "timeout": "--capacity-timeout",
              "saturation_requests": "--saturation-requests"}
     where = {k: f"{base_name}.{k}" if k in (base or {}) else flag for k, flag in flags.items()}
@@ -102,8 +110,8 @@ def capacity_settings(args: argparse.Namespace, base: dict[str, Any] | None = No
         attr = "capacity_timeout" if key == "timeout" else key
         if getattr(args, attr, None) is not None:
             s[key], where[key] = getattr(args, attr), flag
-    probe = parse_range(str(s["probe_requests"]), where["probe_requests"])
-    if probe[0] < 4:
+    probe = None if s["probe_requests"] is None else parse_range(str(s["probe_requests"]), where["probe_requests"])
+    if probe is not None and probe[0] < 4:
         raise TunerError(f"{where['probe_requests']} {s['probe_requests']} is invalid: expected A:B with 4 <= A <= B")
     if isinstance(s["max_probes"], bool) or not isinstance(s["max_probes"], int) or s["max_probes"] < 1:
         raise TunerError(f"{where['max_probes']} {s['max_probes']} is invalid: expected an integer >= 1")
@@ -115,10 +123,11 @@ def capacity_settings(args: argparse.Namespace, base: dict[str, Any] | None = No
 
 
 def capacity_options(args: argparse.Namespace, slo: Any, seed: int, arrival: str) -> Any:
-    from tuner.capacity import CapacityOptions
+    from tuner.capacity import CapacityOptions, probe_requests_for
 
     s = capacity_settings(args)
-    return CapacityOptions(slo=slo, probe_requests=s["probe_requests"], max_probes=s["max_probes"],
+    return CapacityOptions(slo=slo, probe_requests=probe_requests_for(slo, s["max_probes"], s["probe_requests"]),
+                           max_probes=s["max_probes"],
                            max_wall_s=s["timeout_s"], saturation_requests=s["saturation_requests"],
                            arrival=arrival, seed=seed)
 
@@ -307,6 +316,8 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"roofline: {r['bytes_per_token'] / 1e6:.0f} MB read/token, bandwidth {r['bandwidth_gbs']:.1f} "
                      f"GB/s -> bound {r['bound_tokens_per_s']:.0f} tok/s/seq; decode at "
                      f"{_fmt(r.get('percent_of_bound'))}% of bound")
+    elif r.get("unknown"):
+        lines.append(f"roofline: unknown ({r['unknown']})")
     if m.get("errors"):
         lines.append("errors: " + "; ".join(m["errors"]))
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from typing import Any
 
 from tuner.config import ENGINE_KNOBS
 from tuner.errors import TunerError
+from tuner.targets import DEFAULT_LATENCY_METRIC
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,8 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="alias (see `tuner models`), checkpoint dir or .gguf")
     p.add_argument("--latency-target", help="hard limit on --latency-metric, with a unit: 300ms, 1.5s")
-    p.add_argument("--latency-metric", default="ttft:p99", help="METRIC:STAT, METRIC in ttft/tpot/itl/e2e, STAT in "
-                                                                "p50/p90/p95/p99/mean (default ttft:p99)")
+    p.add_argument("--latency-metric", default=DEFAULT_LATENCY_METRIC,
+                   help="METRIC:STAT, METRIC in ttft/tpot/itl/e2e, STAT in p50/p90/p95/p99/mean "
+                        f"(default {DEFAULT_LATENCY_METRIC})")
     p.add_argument("--slo", help="several bounds at once: 'ttft:p99<300ms;tpot:p50<50ms', and/or per-request "
                                  "targets 'ttft<300ms;tpot<50ms' judged with --attainment")
     p.add_argument("--max-quality-drop", type=float, default=1.0,
@@ -178,6 +180,7 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
     from tuner.cli.bench import capacity_settings
 
     cap = capacity_settings(args, space.capacity, f"space file {space.path!r}: capacity")
+    cap["probe_requests"] = check_probes_can_show(slo, cap["max_probes"], cap["probe_requests"])
     w = dict(space.workload)
     try:
         spec = WorkloadSpec(
@@ -217,6 +220,23 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
                         saturation_requests=cap["saturation_requests"], quality_max_limit=max_limit,
                         max_kld=args.max_kld, confirm=args.confirm)
     return ctx, storage, study, notes
+
+
+def check_probes_can_show(slo: Any, max_probes: int, given: tuple[int, int] | None) -> tuple[int, int]:
+    """The probe size (sized by the SLO's percentile unless given); a given size that no probe can show the SLO
+    with stops the search before it measures anything, in one line."""
+    from tuner.capacity import CapacityOptions, probe_requests_for, requests_to_show
+
+    probe = probe_requests_for(slo, max_probes, given)
+    look = CapacityOptions(slo=slo, max_probes=max_probes).look_confidence()
+    need = requests_to_show(slo, look)
+    if need > probe[1]:
+        raise TunerError(
+            f"--probe-requests {probe[0]}:{probe[1]} cannot show this SLO: {slo} needs at "
+            f"least {need} requests per probe for a 'meets' at {slo.confidence:.0%} confidence over the search's "
+            f"{max_probes} probes x 2 looks; expected a cap >= {need} (or leave --probe-requests out: it follows the "
+            "percentile), or a lower percentile")
+    return probe
 
 
 def check_storage_url(url: str, results: Path) -> None:
