@@ -229,21 +229,25 @@ def format_capacity(c: dict[str, Any]) -> list[str]:
     head = f"capacity: {c['requests_per_s']:.3f} req/s [{lo:.3f}, {hi:.3f}]"
     if c.get("output_tokens_per_s"):
         head += f" = {c['output_tokens_per_s']:.1f} output tok/s"
-    head += f", verdict {c['verdict'].upper()} at {slo['confidence']:.0%} confidence for SLO {'; '.join(terms)}"
+    looks = (c.get("method") or {}).get("looks")
+    head += (f", verdict {c['verdict'].upper()} at {slo['confidence']:.0%} confidence"
+             + (f" over {looks} looks" if looks else "") + f" for SLO {'; '.join(terms)}")
     sat = c["saturation"]
     steady = sat.get("steady")
     lines = [head, f"  saturation (closed loop, {sat['concurrency']} in flight, n={sat['n']}): "
                    f"{sat['requests_per_s']:.3f} req/s, {sat['output_tokens_per_s']:.1f} output tok/s"
                    + (f" (steady state: {steady['completions']} completions over {steady['seconds']:.1f} s)"
                       if steady else "")]
-    lines.append(f"  {'rate req/s':>11}{'n':>5}{'achieved':>10}{'ttft p50':>10}{'ttft p99':>10}{'tpot p50':>10}"
-                 f"{'attain':>8}  verdict")
+    lines.append(f"  {'rate req/s':>11}{'lead-in':>8}{'n':>5}{'achieved':>10}{'ttft p50':>10}{'ttft p90':>10}"
+                 f"{'ttft p99':>10}{'tpot p50':>10}{'attain':>8}  verdict")
     for p in c["probes"]:
         att = "-" if p.get("attainment") is None else f"{p['attainment']:.2f}"
-        lines.append(f"  {p['rate_rps']:>11.3f}{p['n']:>5}{_fmt(p['achieved_rps'], 3):>10}"
-                     f"{_fmt(p['ttft_ms'].get('p50'), 0):>10}{_fmt(p['ttft_ms'].get('p99'), 0):>10}"
+        lines.append(f"  {p['rate_rps']:>11.3f}{p.get('ramp', 0):>8}{p['n']:>5}{_fmt(p['achieved_rps'], 3):>10}"
+                     f"{_fmt(p['ttft_ms'].get('p50'), 0):>10}{_fmt(p['ttft_ms'].get('p90'), 0):>10}"
+                     f"{_fmt(p['ttft_ms'].get('p99'), 0):>10}"
                      f"{_fmt(p['tpot_ms'].get('p50'), 0):>10}{att:>8}  {p['verdict']}"
-                     + (f" (stopped early: {p['stopped_early']})" if p.get("stopped_early") else ""))
+                     + (f" (stopped early: {p['stopped_early']})" if p.get("stopped_early") else "")
+                     + (f" (unsteady: {p['unsteady']})" if p.get("unsteady") else ""))
     cost = c["cost"]
     lines.append(f"  cost: {cost['probes']} probes + warm-up + saturation, {cost['requests']} requests, "
                  f"{cost['wall_s']:.0f} s")
