@@ -44,8 +44,8 @@ demo: $(STAMP)
 		--trials 8 --timeout 9m --confirm 1 --cost-per-hour 0.10 --study demo-smollm2
 
 # Tests in tiers (markers given by tests/conftest.py, described in pyproject.toml): unit, model, server, search,
-# browser, db, slow. `make test` runs them all (what CI runs): the 25 slowest printed, every test's time (setup + call
-# + teardown) in logs/junit.xml.
+# browser, db, slow. `make test` runs them all (what CI runs): the 25 slowest tests and the time per file and per tier
+# printed, every test's time (setup + call + teardown) in logs/junit.xml.
 PYTEST := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -ra
 test: $(STAMP) llamacpp vllm
 	@mkdir -p logs

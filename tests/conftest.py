@@ -156,12 +156,35 @@ def tiers_of(item: pytest.Item) -> set[str]:
     return tiers or {"unit"}
 
 
+_TIERS_OF: dict[str, str] = {}  # nodeid -> its tiers, "model/server"
+_SPENT_S: dict[str, float] = {}  # nodeid -> setup + call + teardown seconds
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.stash[TIERS] = tiers_of(item)
+        _TIERS_OF[item.nodeid] = "/".join(sorted(item.stash[TIERS]))
         for tier in sorted(item.stash[TIERS]):
             if item.get_closest_marker(tier) is None:
                 item.add_marker(tier)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _SPENT_S[report.nodeid] = _SPENT_S.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """With --durations (make test, make test-fast): the time spent per test file and per tier, largest first."""
+    if config.option.durations is None or not _SPENT_S:
+        return
+    for title, key in (("file", lambda nodeid: nodeid.split("::")[0]),
+                       ("tier", lambda nodeid: _TIERS_OF.get(nodeid, "?"))):
+        spent: dict[str, list[float]] = {}
+        for nodeid, s in _SPENT_S.items():
+            spent.setdefault(key(nodeid), []).append(s)
+        terminalreporter.write_sep("=", f"time per {title} (setup + call + teardown)")
+        for name, times in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
+            terminalreporter.write_line(f"{sum(times):9.1f} s  {len(times):4d} tests  {name}")
 
 
 @pytest.fixture(autouse=True)
