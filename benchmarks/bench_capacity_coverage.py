@@ -138,13 +138,14 @@ def main() -> None:
         truth = true_capacity(sc, sat)
         q = float(parse_slo(sc.slo)[0].stat[1:]) / 100
         limit = parse_slo(sc.slo)[0].limit_ms
-        over, false_meets, meets_probes, bad_runs, ratios, verdicts, costs = 0, 0, 0, 0, [], [], []
+        over, under, false_meets, meets_probes, bad_runs, ratios, verdicts, costs = 0, 0, 0, 0, 0, [], [], []
         for seed in range(args.runs):
             res = one_search(cap_mod, sc, seed)
             low = res["requests_per_s"]
             verdicts.append(res["verdict"])
             costs.append(res["cost"]["requests"])
             over += low > truth
+            under += res["requests_per_s_ci"][1] < truth
             if low > 0:
                 ratios.append(low / truth)
             wrong = [p for p in res["probes"] if p["verdict"] == "meets" and p["rate_rps"] > truth]
@@ -155,7 +156,8 @@ def main() -> None:
         print(f"\n{sc.name}: saturation {sat:.3f} req/s (simulated closed loop), true capacity {truth:.3f} req/s "
               f"({truth / sat:.0%} of saturation; sustained 30k-request TTFT p{q * 100:g} = "
               f"{sustained_p(sc, truth, q):.0f} ms at it, limit {limit:.0f} ms)")
-        print(f"  runs {n}: lower end above the truth in {over} ({over / n:.1%}; goal <= 5%)")
+        print(f"  runs {n}: lower end above the truth in {over} ({over / n:.1%}; goal <= 5%); upper end below it in "
+              f"{under} ({under / n:.1%}); the interval missed the truth in {over + under} ({(over + under) / n:.1%})")
         print(f"  'meets' said at a rate above the truth: {false_meets} of {meets_probes} meeting probes "
               f"({false_meets / max(meets_probes, 1):.1%}), in {bad_runs} runs ({bad_runs / n:.1%})")
         if ratios:

@@ -294,6 +294,17 @@ def unsteady(results: Sequence[RequestResult], slo: SLO) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------- the search --- #
+def saturation_upper(completions: int, seconds: float, confidence: float) -> float | None:
+    """A one-sided upper bound on the service rate from `completions` counted over `seconds` (exact Poisson bound:
+    chi2(confidence, 2(k + 1)) / 2 per span). A closed loop at saturation completes more regularly than a Poisson
+    process, so the bound is conservative (wider than it need be), never narrower."""
+    from scipy.stats import chi2
+
+    if seconds <= 0:
+        return None
+    return float(chi2.ppf(confidence, 2 * (completions + 1))) / 2.0 / seconds
+
+
 def finish_s(r: RequestResult) -> float:
     """When a request finished (seconds from the run's start)."""
     return r.send_s + (r.e2e_ms or 0.0) / 1e3
@@ -436,7 +447,10 @@ class CapacitySearch:
             rate, tok, steady = m["requests_per_s"], m["output_tokens_per_s"], None
         self.requests_used += load.sent
         self.cursor -= n - load.sent  # prompts never sent stay fresh for the probes
+        k = len(window) if steady else m["completed"]
+        span_s = steady["seconds"] if steady else load.duration_s
         return {"concurrency": c, "n": load.sent, "max_requests": n, "requests_per_s": rate,
+                "requests_per_s_upper": saturation_upper(k, span_s, self.o.look_confidence()),
                 "output_tokens_per_s": tok, "steady": steady, "completed": m["completed"], "failed": m["failed"],
                 "errors": m["errors"], "ttft_ms": m["ttft_ms"], "tpot_ms": m["tpot_ms"], "e2e_ms": m["e2e_ms"],
                 "itl_ms": m["itl_ms"], "dispatch_lag_ms": m["dispatch_lag_ms"], "duration_s": load.duration_s}
@@ -636,7 +650,9 @@ class CapacitySearch:
         missed = [p["rate_rps"] for p in self.probes if p["verdict"] == MISSES and p["rate_rps"] > low]
         out.update({
             "requests_per_s": low,
-            "requests_per_s_ci": [low, min(missed, default=sat["requests_per_s"])],
+            # nothing above shown to miss: the saturation rate's upper bound (no open-loop rate above the service
+            # rate is sustained)
+            "requests_per_s_ci": [low, min(missed, default=sat.get("requests_per_s_upper") or sat["requests_per_s"])],
             "output_tokens_per_s": low_probe["output_tokens_per_s"] if low_probe else None,
             "goodput_requests_per_s": low_probe.get("goodput_requests_per_s") if low_probe else None,
             "verdict": verdict,
