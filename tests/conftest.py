@@ -138,8 +138,13 @@ TEST_TIERS = {
     "test_export_run.py::test_transformers_script_generates_from_a_fresh_directory": {"model"},
     "test_harness_roofline.py::test_bench_with_the_default_bandwidth_probe_measures_an_engine_that_does_not_know_its_"
     "weights": {"server", "model"},
+    "test_harness_client.py::test_closed_loop_at_the_slot_count_loses_no_request_and_the_server_saw_each": {
+        "server", "model"},
     "test_quality.py::test_kld_of_model_against_itself_is_zero": {"model"},
     "test_quality.py::test_ctrl_c_leaves_no_cache_entry": {"model"},  # tuner eval loads it before the Ctrl-C
+    # unit in a heavier module: refused before any model is touched (0.1-0.3 s each; checked by the guard)
+    "test_bench_integration.py::test_bad_input_one_line_exit_2": set(),
+    "test_reliability.py::test_dashboard_binds_to_localhost_by_default": set(),
 }
 GUARDED = {"unit", "slow"}  # a test with no other tier may not load a model or start an engine, browser or DB
 TIERS = pytest.StashKey[set]()
