@@ -169,3 +169,23 @@ def test_llamacpp_prompt_cache_in_host_ram_is_off_so_the_kv_fraction_counts_all_
 def case_args(name: str) -> tuple[Context, TrialConfig]:
     target, config = CASES[name]
     return case_ctx(target, config), config
+
+
+# ------------------------------------------------------------------------------------------------ vLLM GPTQ --- #
+def test_vllm_engine_serves_tuners_gptq_checkpoint_not_a_placeholder(tmp_path, monkeypatch):
+    """search_spaces/vllm-cuda.yaml offers gptq-int4: the vllm engine on CUDA points vLLM at the GPTQ checkpoint
+    tuner builds (the transformers engine's, tuner.quantize.gptq_dir), which the export then names; before, the
+    engine launched the placeholder name `<model>-gptq-int4-g64`. (The checkpoint here is already cached: building
+    one is tuner.quantize's job, covered with the transformers engine.)"""
+    from tuner.engines.vllm import gptq_checkpoint
+    from tuner.quantize import gptq_dir
+
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path))
+    cached = gptq_dir("smollm2-135m")
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    assert gptq_checkpoint("smollm2-135m", tmp_path / "unused") == cached
+    config = TrialConfig("smollm2-135m", "gptq-int4", 16, 0.5, "none", "cuda", engine="vllm")
+    exp = do_export("vllm", config, Context(paths={"model": "/ckpt", "gptq": str(cached)}))
+    assert exp.argv[2] == str(cached) and not any("placeholder" in n.text for n in exp.notes)
+    assert any("placeholder" in n.text for n in do_export("vllm", config, CTX).notes)  # what it was without it

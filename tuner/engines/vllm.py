@@ -85,6 +85,17 @@ def launch_argv(py: Path, exported: list[str]) -> list[str]:
     return [str(py), "-m", MODULE, "--model", exported[2], *exported[3:]]
 
 
+def gptq_checkpoint(model: str, model_dir: Path) -> Path:
+    """tuner's GPTQ 4-bit checkpoint of `model` (GPTQModel, group 64), built once and cached as the transformers
+    engine builds it (tuner.quantize), so vLLM serves the weights tuner measures for gptq-int4."""
+    from tuner.quantize import gptq_dir, quantize_gptq
+
+    target = gptq_dir(model)
+    if not (target / "config.json").is_file():
+        quantize_gptq(model_dir, target)
+    return target
+
+
 def served_name(argv: list[str]) -> str | None:
     """The --served-model-name the exported argv gives the model (what clients send as `model`)."""
     return argv[argv.index("--served-model-name") + 1] if "--served-model-name" in argv else None
@@ -153,6 +164,8 @@ class VllmEngine(ServerEngine):
         self.paths = paths  # serve.sh's MODEL / DRAFT; their model.safetensors sha256 is checked there
         self.digests = {k: file_sha256(Path(v) / "model.safetensors") for k, v in paths.items()
                         if (Path(v) / "model.safetensors").is_file()}
+        if on_cuda and self.config.quant == "gptq-int4":  # the GPTQ checkpoint tuner builds, not a placeholder
+            paths["gptq"] = str(gptq_checkpoint(self.config.model, self.model_dir))
         if on_cuda:  # --gpu-memory-utilization from the KV fraction and this GPU's memory (tuner.export.vllm)
             import torch
 
