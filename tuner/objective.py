@@ -225,9 +225,13 @@ def apply_quality(trial: Any, ctx: SearchContext, config: TrialConfig, q: dict[s
     if gate.get("verdict") == "exceeds" and not trial.user_attrs.get("baseline"):
         lo, hi = gate.get("drop_ci_pp") or [None, None]
         what = config.quant if config.engine == "transformers" else f"{config.quant} KV {config.kv_type}"
-        why = (f"quality: {what} drops {q.get('drop_pp') or 0:.1f} pp" +
-               (f" [{lo:.1f}, {hi:.1f}]" if lo is not None and hi is not None else "") +
-               f" > budget {ctx.max_quality_drop:g} pp with confidence: capacity not measured")
+        screen = gate.get("screen") or {}
+        if screen and not screen.get("passed") and screen.get("reason"):  # screened on its KLD: no drop measured
+            why = f"quality: {what}: {screen['reason']}: capacity not measured"
+        else:
+            why = (f"quality: {what} drops {q.get('drop_pp') or 0:.1f} pp" +
+                   (f" [{lo:.1f}, {hi:.1f}]" if lo is not None and hi is not None else "") +
+                   f" > budget {ctx.max_quality_drop:g} pp with confidence: capacity not measured")
         set_constraints(trial, ctx, None, q)
         trial.set_user_attr("reason", why)
         raise optuna.TrialPruned(why)

@@ -110,11 +110,15 @@ def format_table(res: dict[str, Any]) -> str:
 def format_gate(gate: dict[str, Any]) -> list[str]:
     screen = gate.get("screen")
     if screen is not None and not screen["passed"]:
-        return [f"gate: {gate['verdict'].upper()}  KLD screen: mean {screen['kld_mean']:.5f} nats > --max-kld "
-                f"{screen['max_kld']:g}: lm-eval tasks skipped", f"  baseline: {gate['baseline']}"]
+        reason = screen.get("reason") or (f"mean {screen['kld_mean']:.5f} nats > --max-kld {screen['max_kld']:g}: "
+                                          "screened out before lm-eval")
+        return [f"gate: {gate['verdict'].upper()}  KLD screen: {reason} (lm-eval tasks skipped)",
+                f"  baseline: {gate['baseline']}"]
     lo, hi = gate["drop_ci_pp"]
     line = (f"gate: {gate['verdict'].upper()}  drop {_pp(gate['drop_pp'])} pp [{_pp(lo)}, {_pp(hi)}] vs budget "
-            f"{gate['budget_pp']:g} pp at {gate['confidence']:g} (one-sided bounds); detectable "
+            f"{gate['budget_pp']:g} pp at {gate['confidence']:g} (one-sided bounds"
+            + (f", over {gate['looks']} look(s) at {gate['confidence_per_look']:.4g} each" if gate.get("looks") else "")
+            + "); detectable "
             f"{gate['detectable_pp']:.2f} pp with {gate['items']} paired items (--limit {gate['limit']})")
     out = [line]
     if gate.get("escalated_limits"):

@@ -408,6 +408,9 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
                 lines.append(f"    launch: {shlex.join(s['launch'])}")
     else:
         lines.append("NO FEASIBLE CONFIGURATION: nothing was shown to meet the SLO and the quality budget.")
+        for n in a.get("not_confirmed") or []:
+            lines.append(f"  trial {n['trial']} ({n['in_trial_requests_per_s']:.3g} req/s in its trial) is not "
+                         f"recommended: {n['why']}")
         c = a.get("closest")
         if c:
             misses = "; ".join(f"{k} over by {v:.0%}" for k, v in c["misses"].items())
