@@ -215,3 +215,25 @@ def test_the_vllm_cpu_script_launches_the_module_the_engine_measured_with():
     from tuner.engines.vllm import launch_argv
 
     assert launch_argv(Path("/venv/bin/python"), exp.argv) == ["/venv/bin/python", *exp.argv[1:]]
+
+
+def test_an_export_from_a_measurement_names_the_measured_draft_and_model_files():
+    """The engines record the files they served (settings.paths, settings.sha256); exporting that measurement
+    names them, draft included (llama.cpp's -md was a bare file name, vLLM's draft an upstream repository with
+    other weights), with their sha256 for serve.sh to check."""
+    from tuner.export.locate import measured_settings
+
+    llama = NATIVE["llamacpp"]
+    served = {"gguf": "/m/S.gguf", "served_gguf": "/c/S-Q8_0.gguf", "draft_gguf": "/m/D.gguf",
+              "served_draft_gguf": "/c/D-Q8_0.gguf"}
+    paths: dict[str, str] = {}
+    extra = measured_settings(llama, {"settings": {"paths": served, "sha256": {"served_draft_gguf": "ef" * 32},
+                                                   "ctx_tokens": 1536}}, paths)
+    exp = do_export("llamacpp", llama, Context(paths=paths, **extra))
+    assert exp.argv[exp.argv.index("-md") + 1] == "/c/D-Q8_0.gguf" and "ef" * 32 in exp.files["serve.sh"]
+    vllm = NATIVE["vllm"]
+    paths = {}
+    extra = measured_settings(vllm, {"settings": {"paths": {"model": "/c/m/S", "draft": "/c/m/D"},
+                                                  "kv_cache_gib": 2}}, paths)
+    exp = do_export("vllm", vllm, Context(paths=paths, **extra))
+    assert '"model":"/c/m/D"' in exp.argv[exp.argv.index("--speculative-config") + 1]
