@@ -192,38 +192,66 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
             terminalreporter.write_line(f"{sum(times):9.1f} s  {len(times):4d} tests  {name}")
 
 
-@pytest.fixture(autouse=True)
-def _unit_tier_guard(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """A test in no tier but unit / slow (and every process it starts) may not load a model or start an engine,
-    browser or database: tests/unit_guard records it, and the test fails naming what it did."""
+GUARD = pytest.StashKey[tuple]()  # a guarded test's (log, stop, watcher, saved environment)
+FOUND = pytest.StashKey[list]()  # what the guard recorded
+
+
+def start_guard() -> tuple:
+    import tempfile
     import threading
 
-    if not request.node.stash.get(TIERS, {"unit"}) <= GUARDED:
-        yield
-        return
-    log = tmp_path_factory.getbasetemp() / "unit-guard.log"
-    log.write_text("")
+    fd, log = tempfile.mkstemp(prefix="tuner-unit-guard-", suffix=".log")
+    os.close(fd)
     saved = {k: os.environ.get(k) for k in (unit_guard.ENV, "PYTHONPATH")}
-    os.environ[unit_guard.ENV] = str(log)
+    os.environ[unit_guard.ENV] = log
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(unit_guard.__file__).parent),
                                                            saved["PYTHONPATH"]) if p)
-    unit_guard.install(str(log))
+    unit_guard.install(log)
     stop = threading.Event()
     watcher = threading.Thread(target=unit_guard.watch_descendants, args=(stop,), daemon=True)
     watcher.start()
+    return log, stop, watcher, saved
+
+
+def stop_guard(log: str, stop, watcher, saved: dict) -> list[str]:
+    stop.set()
+    watcher.join()
+    unit_guard.install(None)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    found = sorted(set(Path(log).read_text().splitlines()))
+    os.unlink(log)
+    return found
+
+
+# The guard covers a test's whole setup (the module- and session-scoped fixtures it is the first to need), its call
+# and its teardown, and turns the teardown into an error naming what was recorded.
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item):
+    if item.stash.get(TIERS, {"unit"}) <= GUARDED:
+        item.stash[GUARD] = start_guard()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem):
     try:
-        yield
+        return (yield)
     finally:
-        stop.set()
-        watcher.join()
-        unit_guard.install(None)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    found = sorted(set(log.read_text().splitlines()))
-    if found:
-        pytest.fail(f"{request.node.nodeid} has no tier but {'/'.join(sorted(request.node.stash[TIERS]))}, yet it "
-                    f"{'; '.join(found)}: give its module, fixture or name a tier in tests/conftest.py "
-                    "(MODULE_TIERS / FIXTURE_TIERS / TEST_TIERS)", pytrace=False)
+        if GUARD in item.stash:
+            item.stash[FOUND] = stop_guard(*item.stash[GUARD])
+            del item.stash[GUARD]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if call.when == "teardown" and item.stash.get(FOUND, None):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} has no tier but {'/'.join(sorted(item.stash[TIERS]))}, yet it "
+                           f"{'; '.join(item.stash[FOUND])}: give its module, fixture or name a tier in "
+                           "tests/conftest.py (MODULE_TIERS / FIXTURE_TIERS / TEST_TIERS)")
+    return report
