@@ -53,9 +53,13 @@ def measure_bandwidth_gbs(size_mb: int = 512, repeats: int = 5, device: str = "c
     return x.numel() * 4 / times[len(times) // 2] / 1e9
 
 
-def roofline(b: int, decode_tokens_per_s: float | None, bandwidth_gbs: float | None) -> dict[str, Any]:
-    """`b`: bytes a batch-1 decode step reads (`bytes_per_token(model)`, or a GGUF file's weight bytes)."""
+def roofline(b: int | None, decode_tokens_per_s: float | None, bandwidth_gbs: float | None) -> dict[str, Any]:
+    """`b`: bytes a batch-1 decode step reads (`bytes_per_token(model)`, or a GGUF file's weight bytes); None where
+    the engine does not know them (vLLM, a remote endpoint): the bound is then "unknown", said, never guessed."""
     out: dict[str, Any] = {"bytes_per_token": b, "bandwidth_gbs": bandwidth_gbs}
+    if not b:
+        out.update(bound_tokens_per_s=None, unknown="bytes read per decoded token unknown for this engine")
+        return out
     if bandwidth_gbs:
         out["bound_tokens_per_s"] = bandwidth_gbs * 1e9 / b
         if decode_tokens_per_s:

@@ -4,6 +4,14 @@ own thread; each server-sent event becomes `sink.on_tokens`, the end of the stre
 A request never raises: a refused connection, an HTTP error status, a malformed event or a stream that ends
 without its final event all finish the request with a one-line error. A server engine subclasses `StreamingClient`
 for its wire format (`request_body`, `parse_event`).
+
+One connection per request (`Connection: close`, never pooled): llama-server (llama.cpp 0c1e57098, cpp-httplib
+0.58) closes the connection after every streamed response although its headers said `Keep-Alive: timeout=5,
+max=100` (its chunk provider ends the stream with `sink.done()` and returns false, which httplib takes as "close").
+A pooling client puts that connection back in its pool; when the next request takes it before the server's FIN is
+read, the request body cannot be written and the request is lost (1-3 of 16 at concurrency = slots, measured). A
+fresh loopback connection costs ~0.1 ms, inside the measured TTFT as it would be for any client. A request that
+failed before it reached the server says so: "not sent: ...", it is no measurement of the server.
 """
 
 from __future__ import annotations
@@ -25,6 +33,15 @@ class Event:
     done: bool = False
     error: str | None = None
     final: dict[str, Any] = field(default_factory=dict)  # the last event's server-side facts (timings, counters)
+
+
+def not_sent(e: BaseException) -> bool:
+    """Whether a request failed before the server could have received it: no connection was made, or the request
+    body could not be written (aiohttp's own wording for a write to a closed connection)."""
+    import aiohttp
+
+    return isinstance(e, aiohttp.ClientConnectorError) or (
+        isinstance(e, aiohttp.ClientOSError) and "Can not write request body" in str(e))
 
 
 class StreamingClient:
@@ -84,7 +101,8 @@ class StreamingClient:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), headers=self.headers(),
+                connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                headers={"Connection": "close", **self.headers()},
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=10))
         return self._session
 
@@ -117,6 +135,8 @@ class StreamingClient:
         except Exception as e:  # connection refused or reset, timeout, bad JSON: data, never raised
             msg = str(e).splitlines()[0] if str(e) else ""
             error = f"{type(e).__name__}: {msg}".rstrip(": ")
+            if not_sent(e):
+                error = f"not sent (the server never received this request): {error}"
         self.finals[request_id] = final
         proposed, accepted = self.draft_counts(final) if final else (0, 0)
         sink.on_finish(error, proposed, accepted)
