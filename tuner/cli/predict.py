@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("prediction")
     g.add_argument("--at-rate", type=float, action="append", default=[], metavar="R",
                    help="also predict what `tuner bench --rate R` (same workload flags) would print; repeatable")
+    g.add_argument("--at-share", type=float, action="append", default=[], metavar="S",
+                   help="the same at S x the predicted capacity (x the saturation rate when no rate meets); "
+                        "repeatable")
     g.add_argument("--replicates", type=int, default=4,
                    help="simulations with resampled fit parameters for the band (default 4)")
     g.add_argument("--refresh-profile", action="store_true", help="measure the engine profile again")
@@ -52,30 +55,33 @@ def check_args(args: argparse.Namespace, config: Any) -> None:
     for r in args.at_rate:
         if not r > 0:
             raise TunerError(f"--at-rate {r} is invalid: expected a number of requests per second > 0")
+    for r in args.at_share:
+        if not 0 < r <= 10:
+            raise TunerError(f"--at-share {r} is invalid: expected a share of the predicted capacity in (0, 10]")
 
 
-def workloads(config: Any, spec: Any, options: Any, at_rates: list[float]) -> tuple[list[Any], list[Any]]:
-    """The capacity pool `tuner bench --capacity` builds for this workload (same seed, same prompts), and for each
-    --at-rate the requests and warm-up `tuner bench --rate` sends."""
-    from tuner.models import checkpoint_dir
-    from tuner.quantize import load_tokenizer
+def capacity_pool(config: Any, spec: Any, options: Any, tokenizer: Any) -> list[Any]:
+    """The prompts `tuner bench --capacity` builds for this workload (same seed, same prompts, same order)."""
     from tuner.workload import build_workload
 
-    tokenizer = load_tokenizer(checkpoint_dir(config.model))
     warm_n = max(2, config.batch_cap)
     cap_spec = replace(spec, requests=max(spec.requests, options.pool_size(config.batch_cap, measurements=2)))
-    pool = (build_workload(cap_spec, tokenizer) if spec.trace
-            else build_workload(replace(cap_spec, requests=cap_spec.requests + warm_n), tokenizer)[:cap_spec.requests])
-    fixed = []
-    for rate in at_rates:
-        rate_spec = replace(spec, rate=rate, concurrency=None)
-        if spec.trace:
-            reqs = build_workload(rate_spec, tokenizer)
-            fixed.append((rate, reqs, reqs[:warm_n]))
-        else:
-            both = build_workload(replace(rate_spec, requests=spec.requests + warm_n), tokenizer)
-            fixed.append((rate, both[:spec.requests], both[spec.requests:]))
-    return pool, fixed
+    if spec.trace:
+        return build_workload(cap_spec, tokenizer)
+    return build_workload(replace(cap_spec, requests=cap_spec.requests + warm_n), tokenizer)[:cap_spec.requests]
+
+
+def bench_requests(config: Any, spec: Any, tokenizer: Any, rate: float) -> tuple[list[Any], list[Any]]:
+    """The requests and warm-up `tuner bench --rate R` sends for this workload."""
+    from tuner.workload import build_workload
+
+    warm_n = max(2, config.batch_cap)
+    rate_spec = replace(spec, rate=rate, concurrency=None)
+    if spec.trace:
+        reqs = build_workload(rate_spec, tokenizer)
+        return reqs, reqs[:warm_n]
+    both = build_workload(replace(rate_spec, requests=spec.requests + warm_n), tokenizer)
+    return both[:spec.requests], both[spec.requests:]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,10 +99,15 @@ def run(args: argparse.Namespace) -> int:
     def log(s: str) -> None:
         print(s, file=sys.stderr)
 
+    from tuner.models import checkpoint_dir
+    from tuner.quantize import load_tokenizer
+
     profile = load_or_measure(config, config.batch_cap, refresh=args.refresh_profile, log=log)
-    pool, fixed = workloads(config, spec, options, args.at_rate)
+    tokenizer = load_tokenizer(checkpoint_dir(config.model))
+    pool = capacity_pool(config, spec, options, tokenizer)
     t, cpu = time.perf_counter(), time.process_time()
-    result = predict(profile, config, pool, options, replicates=args.replicates, seed=spec.seed, at_rates=fixed)
+    result = predict(profile, config, pool, options, replicates=args.replicates, seed=spec.seed, rates=args.at_rate,
+                     shares=args.at_share, requests_at=lambda r: bench_requests(config, spec, tokenizer, r))
     result["predict_s"], result["predict_cpu_s"] = time.perf_counter() - t, time.process_time() - cpu
     result = {"predicted": True, "config": config.to_dict(), "workload": spec.to_dict(), **result,
               "profile_path": profile.get("path"), "profile_cached": profile.get("cached")}
@@ -135,7 +146,8 @@ def format_prediction(r: dict[str, Any]) -> str:
                      f"{_ms(p['ttft_ms']['p99']):>10}{_ms(p['tpot_ms']['p50']):>10}{_ms(p['e2e_ms']['p90']):>10}")
     for p in r.get("at_rates") or []:
         t = p["ttft_ms"]
-        lines.append(f"at {p['rate_rps']:g} req/s as `tuner bench --rate` (predicted, n={t['n']}): TTFT p50 "
+        share = f" ({p['share']:g} x the capacity)" if p.get("share") else ""
+        lines.append(f"at {p['rate_rps']:.4g} req/s{share} as `tuner bench --rate` (predicted, n={t['n']}): TTFT p50 "
                      f"{_ms(t['p50'])} {_band(t['band']['p50'])}, p90 {_ms(t['p90'])} {_band(t['band']['p90'])}, "
                      f"p99 {_ms(t['p99'])} ms; TPOT p50 {_ms(p['tpot_ms']['p50'])} ms")
     lines.append(f"predicted in {r['predict_s']:.2f} s ({r['predict_cpu_s']:.2f} s CPU)")

@@ -13,7 +13,7 @@ the band widened each way by (f - 1) x the predicted rate, f the largest ratio b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tuner.capacity import CapacityOptions, CapacitySearch
@@ -95,10 +95,12 @@ def extrapolation(profile: dict[str, Any], batch_cap: int, pool: Sequence[Reques
 
 
 def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], options: CapacityOptions,
-            replicates: int = 4, seed: int = 0, at_rates: Sequence[tuple[float, Sequence[Request],
-                                                                           Sequence[Request]]] = ()) -> dict[str, Any]:
+            replicates: int = 4, seed: int = 0, rates: Sequence[float] = (), shares: Sequence[float] = (),
+            requests_at: Callable[[float], tuple[Sequence[Request], Sequence[Request]]] | None = None
+            ) -> dict[str, Any]:
     """The predicted capacity of `config` under `options` on the capacity pool `pool`, its band, a latency-load
-    curve, and (`at_rates`: (rate, requests, warm-up)) the figures `tuner bench --rate` would measure."""
+    curve, and the figures `tuner bench --rate R` would measure at each of `rates` and at each of `shares` x the
+    predicted capacity (x the saturation rate when no rate meets), `requests_at(R)` giving its (requests, warm-up)."""
     cap = config.batch_cap
     budget = token_budget(config)
     base = step_model(profile)
@@ -120,10 +122,12 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
                 for i, m in enumerate([base, *models])]
         curve.append(dict(with_bands(runs[0], runs[1:]), share_of_saturation=share))
     fixed = []
-    for r, reqs, warm in at_rates:
+    wanted = [(r, None) for r in rates] + [(sh * (rate or sat), sh) for sh in shares]
+    for r, share in wanted if requests_at is not None else []:
+        reqs, warm = requests_at(r)
         runs = [simulated_run(m, cap, reqs, warm, r, options.arrival, options.seed, seed + i, budget)
                 for i, m in enumerate([base, *models])]
-        fixed.append(with_bands(runs[0], runs[1:]))
+        fixed.append(dict(with_bands(runs[0], runs[1:]), share=share))
     fit = profile["fit"]
     return {
         "predicted": True,
