@@ -9,13 +9,15 @@ Every figure is labelled predicted or measured. The machine is shared: each meas
 whatever the neighbours did then (a profile taken minutes earlier may be off by the host's drift).
 
 Usage: .venv/bin/python benchmarks/bench_predict.py [--configs Q8_0:4,Q8_0:1] [--threads 1] [--slo "ttft:p90<2s"]
-       [--shares 0.5,1.0] [--requests 30] [--input-len 64:128] [--output-len 16:32] [--capacity] [--json out.json]
+       [--shares 0.5,1.0] [--requests 30] [--input-len 64:128] [--output-len 16:32] [--refresh-profile] [--capacity]
+       [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +50,8 @@ def run_config(quant: str, cap: int, args: argparse.Namespace) -> dict[str, Any]
     work = ["--requests", str(args.requests), "--input-len", args.input_len, "--output-len", args.output_len,
             "--seed", str(args.seed)]
     pred, pred_s = tuner_json("predict", *config, *work, "--slo", args.slo,
-                              *[a for s in args.shares for a in ("--at-share", str(s))])
+                              *[a for s in args.shares for a in ("--at-share", str(s))],
+                              *(["--refresh-profile"] if args.refresh_profile else []))
     first = pred
     rows = []
     for p in pred["at_rates"]:
@@ -98,6 +101,8 @@ def main() -> int:
     ap.add_argument("--input-len", default="64:128")
     ap.add_argument("--output-len", default="16:32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--refresh-profile", action="store_true",
+                    help="profile each configuration afresh (a cached profile carries the host's load of then)")
     ap.add_argument("--capacity", action="store_true", help="also measure the real capacity (minutes per config)")
     ap.add_argument("--json", help="write every figure as JSON")
     args = ap.parse_args()
@@ -111,9 +116,8 @@ def main() -> int:
     errors = [abs(v["signed_error"]) for r in results for row in r["rates"] for k, v in row.items()
               if isinstance(v, dict) and k == "ttft_ms_p90" and v["signed_error"] is not None]
     if errors:
-        errors.sort()
         print(f"TTFT p90 |predicted - measured| / measured over {len(errors)} rates: median "
-              f"{errors[len(errors) // 2]:.0%}, max {errors[-1]:.0%}")
+              f"{statistics.median(errors):.0%}, max {max(errors):.0%}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -92,7 +92,7 @@ def test_a_profile_from_another_host_is_measured_again_with_a_note(tmp_path: Pat
 
     def measure(c: Any, cap: int, log: Any = None) -> dict[str, Any]:  # the real one starts llama-server
         measured.append(cap)
-        return fake_profile(key)
+        return dict(fake_profile(key), batch_cap=cap)
 
     monkeypatch.setattr(prof, "measure_profile", measure)
     first = prof.load_or_measure(config, 4)
@@ -102,3 +102,5 @@ def test_a_profile_from_another_host_is_measured_again_with_a_note(tmp_path: Pat
     assert measured == [4] and again["cached"]
     wider = prof.load_or_measure(config, 8)  # a wider batch than profiled: measured again
     assert measured == [4, 8] and any("covers up to 4 sequences" in n for n in wider["notes"])
+    refreshed = prof.load_or_measure(config, 2, refresh=True)  # never narrower than the profile it replaces
+    assert measured == [4, 8, 8] and "measured again as asked" in refreshed["notes"]

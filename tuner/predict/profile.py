@@ -207,7 +207,12 @@ def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], No
     def prompt_ms(index: int) -> float | None:  # llama-server's own timings of the last run's request
         return (engine.request_timings().get(f"r{index}") or {}).get("prompt_ms")
 
-    engine.start()
+    from tuner.engines.server import ServerFailed
+
+    try:
+        engine.start()
+    except ServerFailed as e:
+        raise TunerError(f"profile: llama-server did not start for {config.quant} at -np {batch_cap}: {e}") from None
     try:
         startup_s = time.perf_counter() - t_start
         samples = collect_samples(serve, pool, batch_cap, prefill_lengths, decode_prompts, rng, log, prompt_ms)
@@ -216,8 +221,8 @@ def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], No
         engine.stop(drain=False)
     prefill, decode, gaps = samples["prefill"], samples["decode"], samples["gaps"]
     if len(prefill) < 4 or len(decode) < 3:
-        raise RuntimeError(f"profile: too few samples ({len(prefill)} prefill, {len(decode)} decode): the server's "
-                           "requests failed")
+        raise TunerError(f"profile: too few samples ({len(prefill)} prefill, {len(decode)} decode): the server's "
+                         "requests failed; expected a server that answers (see its log with tuner bench --server-log)")
     _, fit = fit_step_model(decode, prefill, gaps)
     return {
         "version": VERSION, "id": profile_id(key), "key": key,
@@ -270,12 +275,13 @@ def load_or_measure(config: TrialConfig, batch_cap: int, refresh: bool = False,
     cached = read_profile(path) if path.exists() else None
     if path.exists() and cached is None:
         notes.append(f"the cached profile {path} was unreadable or of another version: measured again")
-    if cached is not None and not refresh:
-        if cached["batch_cap"] >= batch_cap:
+    if cached is not None:
+        if not refresh and cached["batch_cap"] >= batch_cap:
             return dict(cached, cached=True, path=str(path))
-        notes.append(f"the cached profile covers up to {cached['batch_cap']} sequences, {batch_cap} asked: "
-                     "measured again")
-        batch_cap = max(batch_cap, cached["batch_cap"])
+        notes.append("measured again as asked" if refresh else
+                     f"the cached profile covers up to {cached['batch_cap']} sequences, {batch_cap} asked: measured "
+                     "again")
+        batch_cap = max(batch_cap, cached["batch_cap"])  # the new profile covers what the cached one did
     for other, prof in other_profiles(key):
         notes.append(f"a profile of this model and format from another {' and '.join(differs(prof['key'], key))} "
                      f"({other.name}, measured {prof.get('measured_at')}) is not reused here: measured again")
