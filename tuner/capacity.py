@@ -354,7 +354,8 @@ class CapacitySearch:
         self.marks: list[tuple[str, Snapshot]] = []  # the host's CPU accounting at the end of each step
 
     def mark(self, step: str) -> None:
-        self.marks.append((step, snapshot()))
+        if self.clock is time.monotonic:  # on a virtual clock (a simulated engine) this host's CPU says nothing
+            self.marks.append((step, snapshot()))
 
     def take(self, n: int) -> list[Request]:
         """The next `n` unused prompts; past the end of the pool (a short trace) prompts repeat, said once."""
