@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,46 +64,21 @@ def write_prompts(bench: dict, n: int, path: Path) -> None:
                                              for r in reqs]}))
 
 
-def free_port() -> int:
-    import socket
+def launch(info: dict, log: Path):
+    """The recorded argv and environment, launched as is (+ --host/--port) by tuner's ServerProcess (it waits for
+    /health and stops the server with everything it started)."""
+    from tuner.engines.server import ServerProcess, free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(info: dict, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     argv = list(info["argv"]) + ["--host", "127.0.0.1", "--port", str(port)]
     print("$ " + " ".join(f"{k}={v}" for k, v in (info.get("env") or {}).items()) + " " + " ".join(argv), flush=True)
-    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(info.get("env") or {})})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"server exited with code {proc.returncode}: {log.read_text(errors='replace')[-500:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    stop(proc)
-    sys.exit("server not healthy after 600 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    import signal
-
+    server = ServerProcess(argv, port, log_path=log, env=info.get("env") or {}, startup_timeout_s=600)
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    except ProcessLookupError:
-        pass
+        server.start()
+    except Exception as e:
+        server.stop()
+        sys.exit(f"the recorded server did not start: {e}")
+    return server
 
 
 def main() -> None:
@@ -138,7 +111,8 @@ def main() -> None:
     prompts = work / "prompts.json"
     write_prompts(bench, a.n * len(rates), prompts)
     all_reqs = json.loads(prompts.read_text())["requests"]
-    proc, url = launch(bench["engine"]["info"], work / "server.log")
+    server = launch(bench["engine"]["info"], work / "server.log")
+    url = server.url
     figures = []
     try:
         for i, r in enumerate(rates):
@@ -151,7 +125,7 @@ def main() -> None:
             subprocess.run(cmd, check=True)
             figures.append({"expect": expect[i], **json.loads(out.read_text())["summary"]})
     finally:
-        stop(proc)
+        server.stop()
     print("\nindependent client (stdlib, one connection per request), measured:")
     agree = []
     for f in figures:

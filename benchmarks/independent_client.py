@@ -120,6 +120,10 @@ def run(url: str, api: str, model: str | None, requests: list[dict], rate_rps: f
     t0 = time.perf_counter() + 0.5
     threads = [threading.Thread(target=one_request, args=(url, api, model, r, t0 + a, res), daemon=True)
                for r, a, res in zip(requests, arrivals, results)]
+    return run_threads(threads, results, t0)
+
+
+def run_threads(threads: list[threading.Thread], results: list[dict], t0: float) -> list[dict]:
     for th in threads:
         th.start()
     for th in threads:
@@ -148,15 +152,7 @@ def run_closed(url: str, api: str, model: str | None, requests: list[dict], conc
             results[i]["arrival_s"] = now - t0
             one_request(url, api, model, requests[i], now, results[i])
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
-    for r in results:
-        r["wall_s"] = wall
-    return results
+    return run_threads([threading.Thread(target=worker, daemon=True) for _ in range(concurrency)], results, t0)
 
 
 def nearest_rank(sorted_xs: list[float], p: float) -> float:
