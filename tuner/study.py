@@ -163,7 +163,8 @@ def legacy_rejudge(constraints: list[float] | None, capacity: dict[str, Any], na
 
 
 def launch_command(info: dict[str, Any]) -> list[str] | None:
-    """A server engine's exported argv with the environment it was launched with (`K=V ... vllm serve ...`)."""
+    """A server engine's exported argv with the environment it was launched with (`K=V ... python -m
+    vllm.entrypoints.openai.api_server ...`)."""
     argv = info.get("exported_argv")
     if not argv:
         return None
