@@ -143,7 +143,8 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
               flush=True)
     engine.start()
     try:
-        url, name = engine.server.url, str(engine.model_dir)  # type: ignore[union-attr]
+        # the name clients send as `model`: the exported --served-model-name (the path only where none is given)
+        url, name = engine.server.url, engine.served_model or str(engine.model_dir)  # type: ignore[union-attr]
         scores = endpoint_suite(url, name, str(tok_dir), names, limit, seed)
         cand = served_topk(url, name, chunks)
     finally:
