@@ -162,12 +162,16 @@ def test_transformers_script_generates_from_a_fresh_directory(tmp_path):
     config = TrialConfig("smollm2-135m", "bf16", 2, 0.05, "none", "cpu")
     measured = tmp_path / "config.json"
     measured.write_text(config.to_json())
-    out = export_dir(tmp_path, measured, "transformers", "--model-path", str(checkpoint_dir("smollm2-135m")))
+    # exported without --model-path: the script names the upstream repository, which cannot be fetched offline;
+    # the model's location is a parameter (MODEL=), here tuner's local checkpoint
+    out = export_dir(tmp_path, measured, "transformers")
+    assert "os.environ.get('MODEL'" in (out / "serve_trial.py").read_text()
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
     env = {k: os.environ[k] for k in ("PATH", "HOME", "TUNER_CACHE") if k in os.environ}
     proc = subprocess.run([sys.executable, str(out / "serve_trial.py"), "The capital of France is"], cwd=cwd,
-                          env={**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, capture_output=True,
+                          env={**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                               "MODEL": str(checkpoint_dir("smollm2-135m"))}, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() and not list(cwd.iterdir())
