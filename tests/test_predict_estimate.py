@@ -65,3 +65,21 @@ def test_a_batch_cap_past_the_profile_is_extrapolated_with_a_wider_band(profiled
     assert any(n.startswith("extrapolated: 8 sequences, the profile measured up to 4") for n in beyond["notes"])
     width = [c["capacity"]["band"][1] - c["capacity"]["band"][0] for c in (inside, beyond)]
     assert width[1] >= width[0] + beyond["capacity"]["requests_per_s"] * 0.9  # widened by (8/4 - 1) x the rate
+
+
+def test_the_band_covers_the_engine_running_slower_than_its_profile(profiled: dict[str, Any]) -> None:
+    """The profiled engine, 18% slower by the time it serves (what a shared host's engine moved in a test run): its
+    real capacity falls below a band of the fit's uncertainty alone, and inside the band that carries the engine's
+    speed (each within the capacity search's own resolution)."""
+    from tuner.predict.estimate import SPEED_DRIFT, scaled
+
+    options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
+    pool = workload(options, 4)
+    slower = statistics.median(simulated_capacity(scaled(TRUTH, 1.18), 4, pool, options, 2048, seed)["requests_per_s"]
+                               for seed in range(100, 103))
+    fit_only = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=2, speed_drift=0)
+    carried = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=2)
+    assert carried["calibration"]["speed_drift"] == SPEED_DRIFT >= 0.15
+    assert fit_only["capacity"]["band"][0] > slower * (1 + options.tolerance)  # missed without the speed term
+    lo, hi = carried["capacity"]["band"]
+    assert lo <= slower * (1 + options.tolerance) and slower <= hi

@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "repeatable")
     g.add_argument("--replicates", type=int, default=4,
                    help="simulations with resampled fit parameters for the band (default 4)")
+    g.add_argument("--speed-drift", type=float, default=None, metavar="U",
+                   help="the band also carries the engine running U slower or faster than its profile "
+                        "(default 0.2: every step x 1.2 and / 1.2; 0: the fit's uncertainty only)")
     g.add_argument("--refresh-profile", action="store_true", help="measure the engine profile again")
     g.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
 
@@ -52,6 +55,8 @@ def check_args(args: argparse.Namespace, config: Any) -> None:
                          "only so far; expected --engine llamacpp")
     if not 0 <= args.replicates <= 100:
         raise TunerError(f"--replicates {args.replicates} is invalid: expected an integer in [0, 100]")
+    if args.speed_drift is not None and not 0 <= args.speed_drift <= 1:
+        raise TunerError(f"--speed-drift {args.speed_drift} is invalid: expected a share in [0, 1]")
     for r in args.at_rate:
         if not r > 0:
             raise TunerError(f"--at-rate {r} is invalid: expected a number of requests per second > 0")
@@ -93,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     out_path = check_output_path(args.json)
     _, slo = build_slo(args.latency_target, args.latency_metric, args.slo, args.attainment, args.confidence)
     options = capacity_options(args, slo, spec.seed, spec.arrival)
-    from tuner.predict.estimate import predict
+    from tuner.predict.estimate import SPEED_DRIFT, predict
     from tuner.predict.profile import load_or_measure
 
     def log(s: str) -> None:
@@ -107,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     pool = capacity_pool(config, spec, options, tokenizer)
     t, cpu = time.perf_counter(), time.process_time()
     result = predict(profile, config, pool, options, replicates=args.replicates, seed=spec.seed, rates=args.at_rate,
-                     shares=args.at_share, requests_at=lambda r: bench_requests(config, spec, tokenizer, r))
+                     shares=args.at_share, requests_at=lambda r: bench_requests(config, spec, tokenizer, r),
+                     speed_drift=SPEED_DRIFT if args.speed_drift is None else args.speed_drift)
     result["predict_s"], result["predict_cpu_s"] = time.perf_counter() - t, time.process_time() - cpu
     result = {"predicted": True, "config": config.to_dict(), "workload": spec.to_dict(), **result,
               "profile_path": profile.get("path"), "profile_cached": profile.get("cached")}
@@ -136,7 +142,7 @@ def format_prediction(r: dict[str, Any]) -> str:
              f"); decode fit RMSE {1e3 * (cal['decode_fit']['rmse_s'] or 0):.2f} ms over {cal['decode_fit']['n']}, "
              f"prefill fit RMSE {1e3 * (cal['prefill_fit']['rmse_s'] or 0):.1f} ms over {cal['prefill_fit']['n']}",
              f"predicted capacity: {cap['requests_per_s']:.3f} req/s, band {_band(cap['band'], 3)} "
-             f"({cal['replicates']} resampled fits), verdict {cap['verdict'].upper()} for SLO "
+             f"({cal['replicates']} resampled fits, engine speed ±{cal['speed_drift']:.0%}), verdict {cap['verdict'].upper()} for SLO "
              f"{'; '.join(slo['bounds'])} at {slo['confidence']:.0%}",
              f"predicted saturation: {cap['saturation_rps']:.3f} req/s",
              f"  {'rate req/s':>11}{'ttft p50':>10}{'ttft p90':>10}{'ttft p99':>10}{'tpot p50':>10}{'e2e p90':>10}"

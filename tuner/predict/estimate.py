@@ -6,7 +6,12 @@ an engine profile (tuner.predict.profile), and the load generator's figures at f
 The band: the same search re-run with `replicates` StepModels refitted to the profile's fitted values plus
 resampled residuals (tuner.predict.fit.bootstrap_models), each with its own step-noise seed; band = [min, max] of
 those capacities and the point's. It carries the fit's parameter uncertainty and the simulated run's own sampling
-noise, not the model's structural error (a measured-vs-predicted history would; see the README). A configuration
+noise, and the engine's own speed moving since the profile was taken: the same search re-run with every step time
+x (1 + speed_drift) and / (1 + speed_drift) (`SPEED_DRIFT`, what a shared host's engine moved between a profile and
+its use: a canary on an idle second server moved 13% and 18% within two minutes in the runs of
+tests/test_predict_llamacpp.py quiet enough for a verdict;
+near saturation a few percent of step time moves the queue's latency by tens of percent, so this term dominates
+there). Not carried: the model's structural error (a measured-vs-predicted history would; see the README). A configuration
 outside what the profile measured (more sequences, longer contexts or prompts) is extrapolated: said in `notes`, and
 the band widened each way by (f - 1) x the predicted rate, f the largest ratio by which it goes out of range.
 """
@@ -26,12 +31,25 @@ from tuner.workload import Request, with_arrivals
 LLAMACPP_BATCH_TOKENS = 2048  # llama-server's default -b: decodes and prompt tokens per step at most
 CURVE_SHARES = (0.25, 0.5, 0.75, 0.9, 1.0)  # curve rates, as shares of the predicted saturation rate
 CURVE_REQUESTS = 120
+SPEED_DRIFT = 0.2  # the band's engine speed: every step x 1.2 and / 1.2 (see the module docstring)
 HOST_NOTE = "the host was busy"  # CapacitySearch's note on the real host's CPU load: meaningless in virtual time
 
 
 def token_budget(config: Any) -> int:
     ubatch = getattr(config, "ubatch", 0) or 0
     return max(LLAMACPP_BATCH_TOKENS, ubatch)
+
+
+def scaled(model: StepModel, factor: float) -> StepModel:
+    """`model` with every step `factor` times as long (noise unchanged): the same engine running slower or faster."""
+    d = model.to_dict()
+    times = {k: v * factor for k, v in d.items() if k.endswith("_s") and k != "decode_by_batch_s"}
+    return StepModel(**{**d, **times, "decode_by_batch_s": tuple((k, t * factor) for k, t in model.decode_by_batch_s)})
+
+
+def speed_models(model: StepModel, speed_drift: float) -> list[StepModel]:
+    """The engine `speed_drift` slower and as much faster (none at 0)."""
+    return [scaled(model, 1 + speed_drift), scaled(model, 1 / (1 + speed_drift))] if speed_drift > 0 else []
 
 
 def simulated_capacity(model: StepModel, batch_cap: int, pool: Sequence[Request], options: CapacityOptions,
@@ -96,15 +114,16 @@ def extrapolation(profile: dict[str, Any], batch_cap: int, pool: Sequence[Reques
 
 def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], options: CapacityOptions,
             replicates: int = 4, seed: int = 0, rates: Sequence[float] = (), shares: Sequence[float] = (),
-            requests_at: Callable[[float], tuple[Sequence[Request], Sequence[Request]]] | None = None
-            ) -> dict[str, Any]:
+            requests_at: Callable[[float], tuple[Sequence[Request], Sequence[Request]]] | None = None,
+            speed_drift: float = SPEED_DRIFT) -> dict[str, Any]:
     """The predicted capacity of `config` under `options` on the capacity pool `pool`, its band, a latency-load
     curve, and the figures `tuner bench --rate R` would measure at each of `rates` and at each of `shares` x the
     predicted capacity (x the saturation rate when no rate meets), `requests_at(R)` giving its (requests, warm-up)."""
     cap = config.batch_cap
     budget = token_budget(config)
     base = step_model(profile)
-    models = bootstrap_models(profile["samples"]["decode"], profile["samples"]["prefill"], base, replicates, seed)
+    fits = bootstrap_models(profile["samples"]["decode"], profile["samples"]["prefill"], base, replicates, seed)
+    models = fits + speed_models(base, speed_drift)
     point = simulated_capacity(base, cap, pool, options, budget, seed)
     reps = [simulated_capacity(m, cap, pool, options, budget, seed + 1 + i) for i, m in enumerate(models)]
     factor, notes = extrapolation(profile, cap, pool)
@@ -133,12 +152,13 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
         "predicted": True,
         "capacity": {"requests_per_s": rate, "band": [lo, hi], "requests_per_s_ci": point["requests_per_s_ci"],
                      "verdict": point["verdict"], "saturation_rps": sat,
-                     "replicates": [r["requests_per_s"] for r in reps]},
+                     "replicates": [r["requests_per_s"] for r in reps[:replicates]],
+                     "speed": [r["requests_per_s"] for r in reps[replicates:]]},
         "curve": curve,
         "at_rates": fixed,
         "search": point,
         "profile": profile["id"],
-        "calibration": {"step_model": base.to_dict(), "replicates": replicates,
+        "calibration": {"step_model": base.to_dict(), "replicates": replicates, "speed_drift": speed_drift,
                         "decode_fit": {k: fit["decode"][k] for k in ("n", "rmse_s", "relative_rmse")},
                         "prefill_fit": {k: fit["prefill"][k] for k in ("n", "rmse_s", "relative_rmse")},
                         "extrapolation_factor": factor, "profile_measured_at": profile.get("measured_at"),
