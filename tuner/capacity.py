@@ -559,6 +559,26 @@ class CapacitySearch:
         lead = max(1, math.ceil(self.o.ramp_fraction * n), math.ceil(rate * relax))
         return (min(lead, self.o.probe_requests[1]) + n) / rate
 
+    def probe_s(self, rate: float) -> float | None:
+        """How long a probe's first pass at `rate` takes, its lead-in included (None: not probed so close to
+        saturation)."""
+        n = self.first_pass(rate)
+        lead = self.lead_in(rate, n)
+        return None if lead is None else (lead + n) / rate
+
+    def affordable_rate(self, rate: float, high: float) -> float | None:
+        """The lowest rate in [`rate`, `high`) whose probe fits what is left of the budget (the bracket's tolerance
+        below `high`), or None."""
+        top = high * (1.0 - self.o.tolerance)
+        if top <= rate:
+            return None
+        for i in range(1, 33):
+            r = rate * (top / rate) ** (i / 32)
+            t = self.probe_s(r)
+            if t is not None and not self.out_of_budget(t):
+                return r
+        return None
+
     def out_of_budget(self, next_probe_s: float = 0.0) -> bool:
         left = self.o.max_wall_s - (self.clock() - self.t0)
         return self.probe_requests_used >= self.o.max_requests or left <= next_probe_s
@@ -607,9 +627,17 @@ class CapacitySearch:
                 unreached.append(rate)
                 high = rate  # the search's bracket, not the interval: nothing was shown to miss here
             elif self.out_of_budget((lead + n) / rate):
-                self.notes.append(f"capacity budget spent ({self.requests_used} requests, "
-                                  f"{self.clock() - self.t0:.0f} s): the bracket is wider than {o.tolerance:.0%}")
-                break
+                # a lower rate takes longer to probe (its requests arrive more slowly): a higher one inside the
+                # bracket may still fit what is left of the budget
+                fits = self.affordable_rate(rate, high)
+                if fits is None:
+                    self.notes.append(f"capacity budget spent ({self.requests_used} requests, "
+                                      f"{self.clock() - self.t0:.0f} s): the bracket is wider than {o.tolerance:.0%}")
+                    break
+                self.notes.append(f"{rate:.3g} req/s would not fit the capacity budget left: {fits:.3g} req/s "
+                                  "probed instead, the lowest rate in the bracket that does")
+                rate = fits
+                continue
             else:
                 p = self.probe(rate, lead)
                 self.canary(f"after the {rate:.3g} req/s probe")
@@ -623,7 +651,12 @@ class CapacitySearch:
                                           + ": counted as not shown to meet the SLO")
             if low > 0 and high - low <= o.tolerance * high:
                 break
-            rate = (low + high) / 2.0 if low > 0 else rate / 2.0
+            if low > 0:
+                rate = (low + high) / 2.0
+            elif self.probes and self.probes[-1]["rate_rps"] == rate and self.probes[-1]["verdict"] == MISSES:
+                rate /= 2.0  # shown to miss: the capacity may be far below
+            else:
+                rate *= UNDECIDED_STEP  # not shown either way (or not probed): it may lie just below
             if rate < floor:
                 break
         if unreached:
@@ -751,6 +784,7 @@ def describe_conditions(result: dict[str, Any]) -> str:
 DEFAULT_PROBE_REQUESTS = (30, 120)  # the least first pass and cap of a probe sized by its percentile
 DEFAULT_TIMEOUT_S = 600.0  # one capacity measurement's budget (`--capacity-timeout`)
 FIRST_PROBE = 0.75  # the first rate probed, as a share of the saturation rate
+UNDECIDED_STEP = 0.7  # below a rate not shown to meet nor to miss (nothing shown to meet yet), the next rate's share
 LOOKS_PER_PROBE = 2  # a probe's first pass, and one more pass while undecided
 STEADY_RISE = 0.25  # a probe's second half worse than its first by more than this share of it and of the limit ...
 STEADY_P = 0.05  # ... with a one-sided Mann-Whitney p below this: the queue was still building
