@@ -33,7 +33,7 @@ class FakeEngine(Engine):
         self._threads: list[threading.Thread] = []
 
     def capabilities(self) -> Capabilities:
-        return Capabilities("fake", streaming=True, max_concurrency=self.servers, supports_draft=False)
+        return Capabilities("fake")
 
     def start(self) -> None:
         for _ in range(self.servers):

@@ -1,4 +1,5 @@
-"""Measure one serving configuration for real: load the model with its format, start the engine, warm it up with
+"""Measure one serving configuration for real: open its engine (tuner.engines.registry; an in-process engine loads
+the model with its format, a server engine prepares its argv), start it, warm it up with
 requests drawn from the workload itself (at the batch cap; errors surfaced, excluded from every statistic), serve
 the workload -- or, with `BenchOptions.capacity`, find the highest rate it sustains within the SLO
 (tuner.capacity) -- and return `{config, metrics, engine, environment, workload, requests, status, reason}`.
@@ -130,16 +131,9 @@ def memory_bandwidth() -> float:
 def serves_on_host_cpu(config: TrialConfig, device: str) -> bool:
     """Whether this host's CPU does the serving (so its memory bandwidth bounds the capacity): not a remote endpoint,
     not a CUDA vLLM build, not an in-process engine on a GPU."""
-    if config.engine == "endpoint":
-        return False
-    if config.engine == "vllm":
-        from tuner.engines.vllm import cpu_build, python
+    from tuner.engines.registry import backend
 
-        try:
-            return cpu_build(python())
-        except TunerError:  # no vLLM venv: the engine itself says so
-            return False
-    return device == "cpu"
+    return backend(config.engine).engine().serves_on_host_cpu(config, device)
 
 
 def _reset_hwm(pid: int) -> None:
@@ -191,42 +185,6 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
-SERVER_ENGINES = ("llamacpp", "vllm", "endpoint")  # engines served over HTTP (an endpoint: by a server tuner did not
-# launch)
-
-
-def open_engine(config: TrialConfig, ignore_eos: bool, log_path: Any = None) -> tuple[Any, Any, Any]:
-    """The engine for `config`, ready to start, with the tokenizer the workload needs: (engine, model, tokenizer).
-    In-process engines load the model here (`model` is returned for the draft-output check and the roofline);
-    a server engine prepares its files and argv, and `model` is None."""
-    if config.engine in SERVER_ENGINES:
-        from tuner.engines import engine_for, get_engine_class
-        from tuner.models import checkpoint_dir
-        from tuner.quantize import load_tokenizer
-
-        engine = get_engine_class(engine_for(config))(config, ignore_eos=ignore_eos, log_path=log_path)
-        engine.prepare()
-        return engine, None, load_tokenizer(checkpoint_dir(config.model))
-    from tuner.quantize import load_model
-
-    model, tokenizer = load_model(config)
-    return make_engine(model, tokenizer, config, ignore_eos), model, tokenizer
-
-
-def make_engine(model: Any, tokenizer: Any, config: TrialConfig, ignore_eos: bool) -> Any:
-    from tuner.engines import engine_for, get_engine_class
-
-    name = engine_for(config)
-    cls = get_engine_class(name)
-    if name == "transformers-assisted" and config.draft_spec.kind == "draft":
-        from tuner.quantize import load_model
-
-        quant = "fp32" if config.quant == "fp32" else "bf16"  # the assistant runs at the target's compute dtype
-        assistant = load_model(TrialConfig(model=config.draft_spec.model, quant=quant, device=config.device))
-        return cls(model, tokenizer, config, ignore_eos=ignore_eos, assistant=assistant)
-    return cls(model, tokenizer, config, ignore_eos=ignore_eos)
-
-
 def check_draft_outputs(engine: Any, model: Any, requests: list[Any], token_ids: list[list[int]], n: int) -> dict:
     """Re-generate the first n requests greedily WITHOUT the draft and compare token ids with what was served."""
     import torch
@@ -251,21 +209,23 @@ def run_bench(
     should_stop: Callable[[list[RequestResult], int], str | None] | None = None,
 ) -> dict[str, Any]:
     """Measure `config` under `options.workload`. See module docstring for the failure contract."""
+    from tuner.engines.registry import backend
     from tuner.loadgen import run_load
     from tuner.quantize import unsupported_reason
 
     options = options or BenchOptions()
-    device = "cpu" if config.engine in SERVER_ENGINES else resolve_device(config.device)
+    engine_backend = backend(config.engine)
+    device = "cpu" if engine_backend.server else resolve_device(config.device)
     out: dict[str, Any] = {"config": config.to_dict(), "workload": options.workload.to_dict(), "status": "ok",
                            "reason": None, "metrics": None}
-    reason = unsupported_reason(config.quant, device) if config.engine == "transformers" else None
+    reason = None if engine_backend.server else unsupported_reason(config.quant, device)  # before loading a model
     if reason:
         out.update(status="unsupported", reason=f"format {config.quant!r} is unsupported on {device}: {reason}")
         return out
     out["environment"] = environment(device)
     t = time.perf_counter()
     try:
-        engine, model, tokenizer = open_engine(config, options.ignore_eos, options.log_path)
+        engine, model, tokenizer = engine_backend.open(config, options.ignore_eos, options.log_path)
     except UnsupportedConfig as e:
         out.update(status="unsupported", reason=str(e))
         return out
@@ -375,17 +335,10 @@ def draft_effect(model: Any, tokenizer: Any, config: TrialConfig, options: Bench
     """A draft's effect, measured fairly: the saturation throughput of the same assisted-generation engine (same
     weights, same number of batch-1 decoders, same prompts) without the draft, next to the draft run's own."""
     from tuner.capacity import CapacitySearch
+    from tuner.engines.registry import backend
     from tuner.loadgen import run_load
 
-    if config.engine in SERVER_ENGINES:  # a second server of the same kind, without the draft
-        from tuner.engines import engine_for, get_engine_class
-
-        plain = config.replace(draft="none")
-        ref: Any = get_engine_class(engine_for(plain))(plain, ignore_eos=options.ignore_eos)
-    else:
-        from tuner.engines.assisted import AssistedEngine
-
-        ref = AssistedEngine(model, tokenizer, config.replace(draft="none"), ignore_eos=options.ignore_eos)
+    ref = backend(config.engine).engine().without_draft(config, model, tokenizer, options.ignore_eos)
     ref.start()
     try:
         search = CapacitySearch(lambda reqs, concurrency, timeout_s, should_stop=None:

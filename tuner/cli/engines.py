@@ -12,7 +12,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tuner.engines import availability
+    from tuner.engines.registry import availability
 
     rows = availability()
     if args.json:

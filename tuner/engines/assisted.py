@@ -77,8 +77,7 @@ class AssistedEngine(Engine):
                 "num_assistant_tokens_schedule": "constant"}
 
     def capabilities(self) -> Capabilities:
-        return Capabilities("transformers-assisted", streaming=True, max_concurrency=self.config.batch_cap,
-                            supports_draft=True, notes=("assisted generation is batch-1; one decoder per slot",),
+        return Capabilities("transformers-assisted", notes=("assisted generation is batch-1; one decoder per slot",),
                             settings=self.settings())
 
     def _patch_candidate_generator(self) -> None:

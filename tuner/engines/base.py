@@ -23,9 +23,6 @@ class TokenSink(Protocol):
 @dataclass(frozen=True)
 class Capabilities:
     name: str
-    streaming: bool
-    max_concurrency: int  # sequences decoded at once
-    supports_draft: bool
     notes: tuple[str, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)  # engine-native settings derived from the config
 

@@ -138,8 +138,7 @@ class EndpointEngine(Engine):
                 self.client = None
 
     def capabilities(self) -> Capabilities:
-        return Capabilities("endpoint", streaming=True, max_concurrency=self.config.batch_cap, supports_draft=False,
-                            notes=("the server was not launched by tuner: its knobs and version are its own",),
+        return Capabilities("endpoint", notes=("the server was not launched by tuner: its knobs and version are its own",),
                             settings={"endpoint": self.base_url, "served_model": self.model_name,
                                       "service_tier": self.config.service_tier, "ignore_eos": self.ignore_eos,
                                       "api_key": f"${API_KEY_ENV} " + ("set" if os.environ.get(API_KEY_ENV)
@@ -149,3 +148,29 @@ class EndpointEngine(Engine):
     def info(self) -> dict[str, Any]:
         return {"endpoint": self.base_url, "served_model": self.model_name, "models": self.models,
                 "prepare_s": self.prepare_s}
+
+
+# ------------------------------------------------------------------ the registry's engine API (registry.py) --- #
+def open_engine(config: TrialConfig, ignore_eos: bool, log_path: Any = None) -> tuple[Any, None, Any]:
+    """Reached and its model name resolved (not started), with the tokenizer of --model (the served model's)."""
+    from tuner.engines.server_engine import open_server
+
+    return open_server(EndpointEngine(config, ignore_eos=ignore_eos, log_path=log_path))
+
+
+def without_draft(config: TrialConfig, model: Any, tokenizer: Any, ignore_eos: bool) -> EndpointEngine:
+    return EndpointEngine(config.replace(draft="none"), ignore_eos=ignore_eos)
+
+
+def serves_on_host_cpu(config: TrialConfig, device: str) -> bool:
+    return False  # a remote server: this host's CPU does not bound it
+
+
+def availability() -> tuple[bool, str]:
+    return True, "any running OpenAI-compatible server: --endpoint URL (API key from $TUNER_API_KEY)"
+
+
+def format_reason(quant: str, device: str) -> str | None:
+    from tuner.quantize import unsupported_reason
+
+    return unsupported_reason(quant, device)

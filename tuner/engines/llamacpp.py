@@ -211,8 +211,7 @@ class LlamaCppEngine(ServerEngine):
                 "argv": self.argv, "ignore_eos": self.ignore_eos, "sampling": "greedy (temperature 0)"}
 
     def capabilities(self) -> Capabilities:
-        return Capabilities("llamacpp", streaming=True, max_concurrency=self.config.batch_cap,
-                            supports_draft=True, settings=self.settings())
+        return Capabilities("llamacpp", settings=self.settings())
 
     def weights_bytes(self) -> int | None:
         return self.facts.get("size_bytes")
@@ -223,3 +222,23 @@ class LlamaCppEngine(ServerEngine):
     def info(self) -> dict[str, Any]:
         return {"build": f"llama.cpp {COMMIT}", **self.launch_info(), "ctx_tokens": self.ctx_tokens,
                 "gguf": {**self.facts, "path": str(self.gguf)}}
+
+
+# ------------------------------------------------------------------ the registry's engine API (registry.py) --- #
+def open_engine(config: TrialConfig, ignore_eos: bool, log_path: Path | None = None) -> tuple[Any, None, Any]:
+    from tuner.engines.server_engine import open_server
+
+    return open_server(LlamaCppEngine(config, ignore_eos=ignore_eos, log_path=log_path))
+
+
+def without_draft(config: TrialConfig, model: Any, tokenizer: Any, ignore_eos: bool) -> LlamaCppEngine:
+    """A second server of the same kind, without the draft."""
+    return LlamaCppEngine(config.replace(draft="none"), ignore_eos=ignore_eos)
+
+
+def serves_on_host_cpu(config: TrialConfig, device: str) -> bool:
+    return device == "cpu"
+
+
+def format_reason(quant: str, device: str) -> str | None:
+    return None  # llama.cpp runs every GGUF type on CPU

