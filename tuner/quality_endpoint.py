@@ -23,6 +23,7 @@ from tuner.config import TrialConfig
 from tuner.errors import TunerError, UnsupportedConfig
 from tuner.kld import LP_STEP, KLDResult
 from tuner.quality_vllm import TOP_K, endpoint_suite, prompt_topk, served_topk, topk_kld
+from tuner.quality_vllm import screen_kld as screen_kld  # the top-K KLD comes with the scoring, as on vLLM
 
 
 def reference_topk(codes: np.ndarray, k: int = TOP_K) -> list[dict[int, float]]:
@@ -79,3 +80,13 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
     n = min(len(cand), len(ref.codes))
     kld = topk_kld(reference_topk(ref.codes[:n]), cand[:n]) if n else KLDResult(float("nan"), 0.0, 0.0, 0.0, 0)
     return assemble_result(config, scores, baseline, kld, limit, seed, model_hash, versions, t0, own_start)
+
+
+# ------------------------------------------------------------------ the registry's quality API (registry.py) --- #
+def check_inputs(config: TrialConfig, names: tuple[str, ...]) -> None:
+    """Nothing to check before scoring: the server is reached (and probed) when it is scored."""
+
+
+def baseline_description(model: str, source: Any) -> str:
+    return (f"fp32 of {model} on transformers (dequantized from {source.path.name}), the weights the endpoint "
+            "is taken to serve; the endpoint scored through its /v1/completions by lm-eval local-completions")

@@ -344,3 +344,23 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
     kld, _ = score_kld(config, model_hash, kld_tokens, progress)
     return store_result(path, key, assemble_result(config, scores, baseline, kld, limit, seed, model_hash, vers,
                                                    t0, own_start))
+
+
+# ------------------------------------------------------------------ the registry's quality API (registry.py) --- #
+def check_inputs(config: TrialConfig, names: tuple[str, ...]) -> None:
+    check_available(names)
+
+
+def screen_kld(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int, model_hash: str,
+               progress: bool = True) -> tuple[KLDResult, bool, dict[str, str]]:
+    """The KLD alone (llama-perplexity --kl-divergence, no tasks), through its cache: (result, cached, versions)."""
+    vers = versions()
+    kld, cached = score_kld(config, model_hash, kld_tokens, progress)
+    return kld, cached, vers
+
+
+def baseline_description(model: str, source: Any) -> str:
+    from tuner.quality import ALIAS_LINEAGE
+
+    return (f"the F32 GGUF made by llama-quantize from {source.path.name} "
+            f"(lineage {ALIAS_LINEAGE.get(model, 'of that file')}), f32 KV cache, scored by llama-perplexity")

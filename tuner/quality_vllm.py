@@ -160,3 +160,30 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
         kld = topk_kld([{int(t): v for t, v in d.items()} for d in ref["positions"]], cand)
     return store_result(path, key, assemble_result(config, scores, baseline, kld, limit, seed, model_hash, vers,
                                                    t0, own_start))
+
+
+# ------------------------------------------------------------------ the registry's quality API (registry.py) --- #
+def check_inputs(config: TrialConfig, names: tuple[str, ...]) -> None:
+    """The vLLM venv exists, and its CPU backend serves the format."""
+    from tuner.engines.vllm import CPU_FORMATS, python
+    from tuner.errors import UnsupportedConfig
+
+    python()
+    if config.device != "cuda" and config.quant not in CPU_FORMATS:
+        raise UnsupportedConfig(f"format {config.quant!r} on vLLM's CPU backend: expected one of "
+                                f"{', '.join(CPU_FORMATS)} (quantized formats need CUDA vLLM)")
+
+
+def screen_kld(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int, model_hash: str,
+               progress: bool = True) -> tuple[KLDResult, bool, dict[str, str]]:
+    """The top-K KLD comes with the endpoint's scoring: the whole score (cached), its KLD figures."""
+    from tuner.quality import score_quality as score_any
+
+    res = score_any(config, names, limit, seed, kld_tokens=kld_tokens, progress=progress)
+    return (KLDResult(res.kld_mean, res.kld_mean_stderr, res.kld_p99, res.top1_agree, res.kld_tokens), res.cached,
+            res.versions)
+
+
+def baseline_description(model: str, source: Any) -> str:
+    return (f"fp32 served by the same vLLM (dtype float32) from tuner's safetensors conversion of "
+            f"{source.path.name}, scored through its endpoint by lm-eval local-completions")
