@@ -1,5 +1,5 @@
 """What running each trial in a child process costs: the same bench run as `tuner search` runs it (a
-`python -m tuner.child bench` child: process start, imports, model load from the safetensors cache, serving) vs
+`python -m tuner.child --job` bench child: process start, imports, model load from the safetensors cache, serving) vs
 in this process (`run_bench`, imports already paid, model loaded per run as a trial would).
 
 Rounds alternate child / in-process. Serving time varies with the machine's load far more than the child's cost,
@@ -34,15 +34,14 @@ IMPORTS = "import torch, transformers, tuner.bench, tuner.quantize, tuner.loadge
 def child_round(tmp: Path, i: int) -> dict:
     from tuner.child import run_child
     from tuner.config import TrialConfig
+    from tuner.job import BenchJob, write_job
+    from tuner.workload import WorkloadSpec
 
-    cfg = tmp / f"config{i}.json"
-    cfg.write_text(TrialConfig(model=MODEL, device="cpu", **KNOBS).to_json())
     out = tmp / f"bench{i}.json"
-    w = WORKLOAD
-    args = ["bench", "--config", str(cfg), "--json", str(out), "--quiet", "--no-bandwidth",
-            "--requests", str(w["requests"]), "--rate", str(w["rate"]), "--seed", str(w["seed"]),
-            "--input-len", "{}:{}".format(*w["input_len"]), "--output-len", "{}:{}".format(*w["output_len"])]
-    res = run_child(args, tmp / f"bench{i}.log", 900)
+    job = tmp / f"bench_job{i}.json"
+    write_job(job, BenchJob(config=TrialConfig(model=MODEL, device="cpu", **KNOBS), workload=WorkloadSpec(**WORKLOAD),
+                            out_path=str(out), measure_bandwidth=False))
+    res = run_child(job, tmp / f"bench{i}.log", 900)
     if res.returncode != 0:
         raise SystemExit(f"child bench failed: {res.reason}")
     data = json.loads(out.read_text())

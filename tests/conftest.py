@@ -141,6 +141,7 @@ TEST_TIERS = {
     "test_harness_client.py::test_closed_loop_at_the_slot_count_loses_no_request_and_the_server_saw_each": {
         "server", "model"},
     "test_quality.py::test_kld_of_model_against_itself_is_zero": {"model"},
+    "test_job.py::test_a_bench_job_gives_the_result_tuner_bench_gives_for_the_same_settings": {"model"},
     "test_quality.py::test_ctrl_c_leaves_no_cache_entry": {"model"},  # tuner eval loads it before the Ctrl-C
     # unit in a heavier module: refused before any model is touched (0.1-0.3 s each; checked by the guard)
     "test_bench_integration.py::test_bad_input_one_line_exit_2": set(),

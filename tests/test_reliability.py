@@ -104,7 +104,8 @@ def trials_of(tmp: Path, storage: str | None = None) -> list:
 
 
 def bench_child(search_pid: int, not_pid: int | None = None, timeout: float = 300):
-    """The `tuner.child bench` process started by `search_pid` (another one than `not_pid`), and its trial number.
+    """The bench child (`tuner.child --job .../bench_job.json`) started by `search_pid` (another one than `not_pid`),
+    and its trial number.
     Direct children only: a fork the bench child makes (a library running a helper command) carries the same
     command line for a moment, and signalling it instead would test nothing."""
     import psutil
@@ -120,9 +121,9 @@ def bench_child(search_pid: int, not_pid: int | None = None, timeout: float = 30
                 cmd = k.cmdline()
             except psutil.Error:
                 continue
-            if "tuner.child" in cmd and "bench" in cmd and k.pid != not_pid:
-                cfg = cmd[cmd.index("--config") + 1]
-                return k, int(Path(cfg).parent.name)
+            job = cmd[cmd.index("--job") + 1] if "tuner.child" in cmd and "--job" in cmd[:-1] else ""
+            if Path(job).name == "bench_job.json" and k.pid != not_pid:
+                return k, int(Path(job).parent.name)
         time.sleep(0.1)
     raise AssertionError(f"no bench child appeared under {search_pid}")
 

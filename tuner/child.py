@@ -1,8 +1,10 @@
 """Run one piece of heavy work (a bench, a quality score) in a child process with a time limit.
 
 Whatever happens to the child (an exception, an out-of-memory kill, a segfault, a hang) comes back as data: a
-return code and a one-line reason. The child is `python -m tuner.child <tuner args>`: before it imports anything
-heavy it
+return code and a one-line reason. The child is `python -m tuner.child --job FILE`, FILE a bench or eval job
+(tuner.job) that it runs with the library functions `tuner bench` and `tuner eval` call (tuner.bench_run,
+tuner.eval_run), writing the same result JSON; it never parses command-line text. Before it imports anything heavy
+it
 
   * asks the kernel to SIGKILL it when its parent dies (Linux `prctl(PR_SET_PDEATHSIG)`; elsewhere a watchdog thread
     polls the parent pid), so a `kill -9` of `tuner search` leaves no orphan behind;
@@ -106,12 +108,13 @@ def child_env(env: dict[str, str] | None, memory_bytes: int | None) -> dict[str,
     return full
 
 
-def run_child(args: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None,
+def run_child(job_path: Path, log_path: Path, timeout_s: float, env: dict[str, str] | None = None,
               memory_bytes: int | None = None) -> ChildResult:
-    """`python -m tuner <args>` (through `tuner.child`) in a new session; stdout+stderr go to `log_path`.
-    `memory_bytes` defaults to the limit set with `set_memory_limit`."""
+    """`python -m tuner.child --job <job_path>` (a job written with `tuner.job.write_job`) in a new session;
+    stdout+stderr go to `log_path`. `memory_bytes` defaults to the limit set with `set_memory_limit`."""
     mem = memory_bytes if memory_bytes is not None else limits.memory_bytes
-    return run_process([sys.executable, "-m", "tuner.child", *args], log_path, timeout_s, child_env(env, mem), mem)
+    return run_process([sys.executable, "-m", "tuner.child", "--job", str(job_path)], log_path, timeout_s,
+                       child_env(env, mem), mem)
 
 
 def run_process(argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str],
@@ -223,6 +226,35 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
+def run_job(path: str) -> int:
+    """Read the job in `path` and run it; a bad job or a user error is one line and exit 2, as the command line
+    reports them (`tuner bench: error: ...`: the trial's failure reason)."""
+    from tuner.errors import TunerError
+    from tuner.job import BenchJob, read_job
+    from tuner.quiet import quiet_libraries
+
+    quiet_libraries()
+    try:
+        job = read_job(path)
+    except TunerError as e:
+        print(f"tuner.child: error: {e}", file=sys.stderr)
+        return e.exit_code
+    try:
+        if isinstance(job, BenchJob):
+            from tuner.bench_run import run_bench_job
+
+            return run_bench_job(job)
+        from tuner.eval_run import run_eval_job
+
+        return run_eval_job(job)
+    except TunerError as e:
+        print(f"tuner {job.kind}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"tuner {job.kind}: interrupted", file=sys.stderr)
+        return 130
+
+
 def child_main(argv: list[str]) -> int:
     parent = os.environ.pop(PARENT_ENV, None)
     if parent and parent.isdigit():
@@ -232,9 +264,11 @@ def child_main(argv: list[str]) -> int:
         limit_memory(int(mem))
     no_core_dumps()
     signal.signal(signal.SIGTERM, _terminate)
-    from tuner.cli import main
-
-    return main(argv)
+    if len(argv) != 2 or argv[0] != "--job":
+        print(f"tuner.child: error: arguments {' '.join(argv)!r} are invalid: expected --job FILE (a job written by "
+              "tuner.job)", file=sys.stderr)
+        return 2
+    return run_job(argv[1])
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import Any
 from tuner.capacity import CapacityOptions
 from tuner.child import run_child
 from tuner.config import TrialConfig
+from tuner.job import BenchJob, EvalJob, write_job
 from tuner.space import Space, suggest_config
 from tuner.targets import SLO, Bound
 from tuner.workload import WorkloadSpec
@@ -78,42 +79,27 @@ class SearchContext:
                 **({"endpoint": [f"{s.endpoint} {s.served_model}".strip() for s in endpoints]} if endpoints else {})}
 
 
-def slo_arg(slo: SLO) -> str:
-    """The SLO back in `--slo` syntax."""
-    terms = [str(b) for b in slo.bounds] + [f"{k.removesuffix('_ms')}<{v:g}ms" for k, v in slo.targets_ms]
-    return ";".join(terms)
-
-
-def bench_args(config_path: Path, out_path: Path, ctx: SearchContext) -> list[str]:
-    """`tuner bench --capacity` for one trial, with the study's workload (prompts) and SLO."""
-    w, slo = ctx.workload, ctx.slo
-    args = ["bench", "--config", str(config_path), "--json", str(out_path), "--quiet", "--no-bandwidth",
-            "--capacity", "--slo", slo_arg(slo), "--confidence", str(slo.confidence),
-            "--probe-requests", f"{ctx.probe_requests[0]}:{ctx.probe_requests[1]}",
-            "--max-probes", str(ctx.max_probes), "--capacity-timeout", f"{ctx.capacity_timeout_s:g}s",
-            "--requests", str(w.requests), "--input-len", f"{w.input_len[0]}:{w.input_len[1]}",
-            "--output-len", f"{w.output_len[0]}:{w.output_len[1]}", "--shared-prefix", str(w.shared_prefix),
-            "--seed", str(w.seed), "--arrival", w.arrival]
-    if slo.attainment is not None:
-        args += ["--attainment", str(slo.attainment)]
-    if ctx.saturation_requests:
-        args += ["--saturation-requests", str(ctx.saturation_requests)]
-    if w.trace:
-        args += ["--trace", w.trace]
-    return args
+def bench_job(config: TrialConfig, ctx: SearchContext, out: Path, server_log: Path) -> BenchJob:
+    """`tuner bench --capacity` of one trial: the study's prompts (the capacity search chooses the arrival rates:
+    the workload's own rate is left at its default), its SLO and its capacity settings, without the bandwidth
+    measurement."""
+    w = ctx.workload
+    workload = WorkloadSpec(requests=w.requests, arrival=w.arrival, input_len=w.input_len, output_len=w.output_len,
+                            shared_prefix=w.shared_prefix, seed=w.seed, trace=w.trace)
+    capacity = CapacityOptions(slo=ctx.slo, probe_requests=ctx.probe_requests, max_probes=ctx.max_probes,
+                               max_wall_s=ctx.capacity_timeout_s, saturation_requests=ctx.saturation_requests,
+                               arrival=w.arrival, seed=w.seed)
+    return BenchJob(config=config, workload=workload, out_path=str(out), capacity=capacity,
+                    server_log=str(server_log), measure_bandwidth=False)
 
 
 def measure(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[str, Any]:
     """Measure `config`'s capacity in a child process. Returns the bench JSON, or {'status': 'failed', ...}."""
-    trial_dir.mkdir(parents=True, exist_ok=True)
-    cfg = trial_dir / "config.json"
-    cfg.write_text(config.to_json())
     out = trial_dir / "bench.json"
     out.unlink(missing_ok=True)
-    args = bench_args(cfg, out, ctx)
-    if config.engine != "transformers":  # the server's own output, kept with the trial
-        args += ["--server-log", str(trial_dir / "server.log")]
-    res = run_child(args, trial_dir / "bench.log", ctx.trial_timeout_s)
+    job = trial_dir / "bench_job.json"
+    write_job(job, bench_job(config, ctx, out, trial_dir / "server.log"))  # a server engine's output, kept with it
+    res = run_child(job, trial_dir / "bench.log", ctx.trial_timeout_s)
     if out.is_file():
         data = json.loads(out.read_text())
         data["child_wall_s"] = res.wall_s
@@ -123,24 +109,26 @@ def measure(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[st
     return {"status": "failed", "reason": res.reason or "bench wrote no result", "child_wall_s": res.wall_s}
 
 
+def eval_job(config: TrialConfig, ctx: SearchContext, out: Path) -> EvalJob:
+    """`tuner eval` of the config's weights as served (engine, format, KV type, device, endpoint) with the study's
+    quality gate; the cache under the study's results folder."""
+    weights = TrialConfig(model=config.model, engine=config.engine, quant=config.quant, kv_type=config.kv_type,
+                          device=config.device, endpoint=config.endpoint, served_model=config.served_model)
+    return EvalJob(config=weights, tasks=tuple(ctx.quality_tasks), limit=ctx.quality_limit, seed=ctx.quality_seed,
+                   out_path=str(out), max_quality_drop=ctx.max_quality_drop,
+                   max_limit=max(ctx.quality_max_limit or ctx.quality_limit, ctx.quality_limit),
+                   confidence=ctx.slo.confidence, max_kld=ctx.max_kld, results_dir=str(ctx.results_dir))
+
+
 def quality(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[str, Any]:
     """Quality of the config's weights (format): memoized per study, cached on disk by `tuner eval`."""
     memo = quality_key(config.to_dict())
     if memo in ctx.quality_memo:
         return ctx.quality_memo[memo]
     out = trial_dir / "quality.json"
-    args = ["eval", "--model", config.model, "--engine", config.engine, "--quant", config.quant,
-            "--kv-type", config.kv_type, "--device", config.device,
-            "--tasks", ",".join(ctx.quality_tasks), "--limit", str(ctx.quality_limit),
-            "--seed", str(ctx.quality_seed), "--json", str(out), "--max-quality-drop", str(ctx.max_quality_drop),
-            "--max-limit", str(max(ctx.quality_max_limit or ctx.quality_limit, ctx.quality_limit)),
-            "--confidence", str(ctx.slo.confidence)]
-    if ctx.max_kld is not None:
-        args += ["--max-kld", str(ctx.max_kld)]
-    if config.endpoint:
-        args += ["--endpoint", config.endpoint, "--served-model", config.served_model]
-    env = {"TUNER_RESULTS": str(ctx.results_dir)}
-    res = run_child(args, trial_dir / "quality.log", ctx.trial_timeout_s * 3, env=env)
+    job = trial_dir / "eval_job.json"
+    write_job(job, eval_job(config, ctx, out))
+    res = run_child(job, trial_dir / "quality.log", ctx.trial_timeout_s * 3)
     if not out.is_file():
         return {"error": res.reason or "quality scoring wrote no result"}
     q = json.loads(out.read_text())

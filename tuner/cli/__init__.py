@@ -51,20 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def quiet_libraries() -> None:
-    """Keep library chatter (CUDA-only extension load failures on CPU, deprecation notices) off the terminal;
-    set TRANSFORMERS_VERBOSITY=info to see it again."""
-    import logging
-    import os
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    for name in ("torchao", "torch.utils._pytree", "datasets", "lm_eval"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def main(argv: list[str] | None = None) -> int:
     from tuner.errors import TunerError
+    from tuner.quiet import quiet_libraries
 
     quiet_libraries()
     if argv is not None:

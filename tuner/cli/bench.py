@@ -181,14 +181,13 @@ def run(args: argparse.Namespace) -> int:
     opts = BenchOptions(workload=spec, slo_ms=slo, timeout_s=args.timeout, ignore_eos=not args.respect_eos,
                         measure_bandwidth=not args.no_bandwidth, progress=not args.quiet, capacity=capacity,
                         log_path=server_log)
-    result = run_bench(config, opts, should_stop)
-    if result["status"] == "unsupported":
-        raise TunerError(result["reason"])
-    result.pop("token_ids", None)
+    from tuner.bench_run import exit_code, final_result
+
+    result = final_result(run_bench(config, opts, should_stop))
     print(format_report(result))
     if out_path:
         write_json_atomic(out_path, result)
-    return {"ok": 0, "pruned": 3}.get(result["status"], 1)
+    return exit_code(result)
 
 
 def _fmt(v: Any, digits: int = 1) -> str:

@@ -75,7 +75,7 @@ CONFIG_FLAGS = ("model", "engine", "quant", "batch_cap", "kv_fraction", "kv_type
 
 def config_from_args(args: argparse.Namespace) -> TrialConfig:
     """Build and validate the TrialConfig (cheap checks, including that the model source exists)."""
-    from tuner.models import resolve_source
+    from tuner.bench_run import check_sources
 
     if args.config:
         try:
@@ -100,14 +100,7 @@ def config_from_args(args: argparse.Namespace) -> TrialConfig:
         if knobs.get("engine") == "endpoint" and "quant" not in knobs:
             knobs["quant"] = ENDPOINT_QUANT
         config = TrialConfig(model=args.model, **knobs)
-    resolve_source(config.model)
-    if config.draft_spec.kind == "draft":
-        resolve_source(config.draft_spec.model)
-    if config.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise TunerError("--device cuda: no CUDA device is visible; expected auto or cpu on this machine")
+    check_sources(config)
     return config
 
 

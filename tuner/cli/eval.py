@@ -140,34 +140,19 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.json and Path(args.json).expanduser().is_dir():
         raise TunerError(f"--json {args.json!r} is a directory: expected a file path")
-    from tuner.quality import check_confidence, check_gate_args
+    from tuner.eval_run import check_eval_settings, evaluate
 
-    if args.max_quality_drop is None:
-        for flag, value in (("--max-limit", args.max_limit), ("--max-kld", args.max_kld)):
-            if value is not None:
-                raise TunerError(f"{flag} {value!r} needs --max-quality-drop PP (the budget it gates on)")
-        check_confidence(args.confidence)
-    else:
-        check_gate_args(args.max_quality_drop, args.limit, args.max_limit if args.max_limit is not None else args.limit,
-                        args.confidence, args.max_kld)
+    check_eval_settings(args.max_quality_drop, args.limit, args.max_limit, args.confidence, args.max_kld)
     set_offline()
     if args.results_dir:
         os.environ["TUNER_RESULTS"] = str(Path(args.results_dir).expanduser())
-    from tuner.quality import gated_quality, paired_comparison, score_quality
-
     engine = "endpoint" if args.endpoint and args.engine == "transformers" else args.engine
     quant = args.quant or {"llamacpp": "F16", "endpoint": ENDPOINT_QUANT}.get(engine, "bf16")
     config = TrialConfig(model=args.model, engine=engine, quant=quant, kv_type=args.kv_type, device=args.device,
                          endpoint=args.endpoint or "", served_model=args.served_model)
-    if args.max_quality_drop is None:
-        result = score_quality(config, args.tasks, args.limit, args.seed, kld_tokens=args.kld_tokens)
-        res = result.to_dict()
-        res["paired"] = paired_comparison(result, args.confidence).to_dict()
-    else:
-        gated = gated_quality(config, args.tasks, args.limit, args.seed, max_drop_pp=args.max_quality_drop,
-                              max_limit=args.max_limit, confidence=args.confidence, max_kld=args.max_kld,
-                              kld_tokens=args.kld_tokens)
-        res = gated.to_dict()
+    res = evaluate(config, args.tasks, args.limit, args.seed, max_quality_drop=args.max_quality_drop,
+                   max_limit=args.max_limit, confidence=args.confidence, max_kld=args.max_kld,
+                   kld_tokens=args.kld_tokens)
     res["wall_s"] = time.perf_counter() - t0
     print(format_table(res))
     if args.json:

@@ -1,0 +1,70 @@
+"""One bench run's steps that `tuner bench` and a bench job (`python -m tuner.child --job FILE`) share: the
+model sources checked before anything loads, the result made final (an unsupported configuration is the user's
+error; the token ids stay in the process), its exit code; and a whole bench job run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tuner.config import TrialConfig
+from tuner.errors import TunerError
+
+EXIT_CODES = {"ok": 0, "pruned": 3}  # a bench's status -> its exit code; any other status: 1
+
+
+def check_sources(config: TrialConfig) -> None:
+    """The model (and a draft's model) exist, and a CUDA config has a device: cheap, before anything heavy."""
+    from tuner.models import resolve_source
+
+    resolve_source(config.model)
+    if config.draft_spec.kind == "draft":
+        resolve_source(config.draft_spec.model)
+    if config.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise TunerError("--device cuda: no CUDA device is visible; expected auto or cpu on this machine")
+
+
+def final_result(result: dict[str, Any]) -> dict[str, Any]:
+    """`run_bench`'s result as it is reported and written: an unsupported configuration raises TunerError (one line,
+    exit 2); the generated token ids are dropped."""
+    if result["status"] == "unsupported":
+        raise TunerError(result["reason"])
+    result.pop("token_ids", None)
+    return result
+
+
+def exit_code(result: dict[str, Any]) -> int:
+    return EXIT_CODES.get(result["status"], 1)
+
+
+def summary(result: dict[str, Any]) -> str:
+    """One line for a child's log: the status (and reason), and the capacity when one was measured."""
+    line = f"bench: status {result['status']}" + (f": {result['reason']}" if result.get("reason") else "")
+    cap = (result.get("metrics") or {}).get("capacity") or {}
+    if cap.get("requests_per_s") is not None:
+        lo, hi = cap.get("requests_per_s_ci") or (None, None)
+        line += (f"; capacity {cap['requests_per_s']:.3f} req/s"
+                 + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else "")
+                 + f", verdict {cap.get('verdict')}")
+    return line
+
+
+def run_bench_job(job: Any) -> int:
+    """A `tuner.job.BenchJob`: measure, write its result JSON (atomically) to `job.out_path`; the exit code."""
+    from transformers.utils import logging as hf_logging
+
+    from tuner.bench import BenchOptions, run_bench
+    from tuner.files import write_json_atomic
+
+    check_sources(job.config)
+    hf_logging.disable_progress_bar()  # a job runs quiet, as `tuner bench --quiet`
+    opts = BenchOptions(workload=job.workload, timeout_s=job.timeout_s, ignore_eos=job.ignore_eos,
+                        measure_bandwidth=job.measure_bandwidth, progress=False, capacity=job.capacity,
+                        log_path=Path(job.server_log) if job.server_log else None)
+    result = final_result(run_bench(job.config, opts))
+    print(summary(result), flush=True)
+    write_json_atomic(Path(job.out_path), result)
+    return exit_code(result)
