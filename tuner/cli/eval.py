@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tuner.config import DEVICES, ENDPOINT_QUANT, ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES
+from tuner.config import DEVICES, ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES
+from tuner.engines.registry import backend, names
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -69,13 +70,14 @@ def format_table(res: dict[str, Any]) -> str:
     line, KLD, and the gate line when there is one."""
     cfg = res["config"]
     limit = "- (lm-eval skipped)" if res["limit"] is None else res["limit"]
-    engine = cfg.get("engine", "transformers")
+    engine = backend(cfg.get("engine", "transformers"))
     head = f"{cfg['model']}  {cfg['quant']}  limit {limit}  seed {res['seed']}"
-    if engine != "transformers":
-        head = f"{cfg['model']}  {engine} {cfg['quant']} KV {cfg.get('kv_type', 'auto')}  limit {limit}  seed {res['seed']}"
-    base_name = "F32" if engine == "llamacpp" else "fp32"
-    if engine == "endpoint":
-        head = f"{cfg['model']}  endpoint {cfg.get('endpoint')}  limit {limit}  seed {res['seed']}"
+    if engine.server:  # the engine's own format: its name, weight type and KV type
+        head = (f"{cfg['model']}  {engine.name} {cfg['quant']} KV {cfg.get('kv_type', 'auto')}  limit {limit}  "
+                f"seed {res['seed']}")
+    base_name = engine.reference_quant
+    if not engine.launched:  # a running server: its URL
+        head = f"{cfg['model']}  {engine.name} {cfg.get('endpoint')}  limit {limit}  seed {res['seed']}"
     if res.get("cached"):
         head += "  (cached)"
     lines = [head]
@@ -146,8 +148,10 @@ def run(args: argparse.Namespace) -> int:
     set_offline()
     if args.results_dir:
         os.environ["TUNER_RESULTS"] = str(Path(args.results_dir).expanduser())
-    engine = "endpoint" if args.endpoint and args.engine == "transformers" else args.engine
-    quant = args.quant or {"llamacpp": "F16", "endpoint": ENDPOINT_QUANT}.get(engine, "bf16")
+    engine = args.engine
+    if args.endpoint and not backend(engine).server:  # --endpoint alone: the running server is scored
+        engine = names(launched=False)[0]
+    quant = args.quant or backend(engine).default_quant
     config = TrialConfig(model=args.model, engine=engine, quant=quant, kv_type=args.kv_type, device=args.device,
                          endpoint=args.endpoint or "", served_model=args.served_model)
     res = evaluate(config, args.tasks, args.limit, args.seed, max_quality_drop=args.max_quality_drop,

@@ -50,9 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def check_args(args: argparse.Namespace, config: Any) -> None:
-    if config.engine != "llamacpp":
-        raise TunerError(f"--engine {config.engine!r}: predictions need an engine profile, measured for llamacpp "
-                         "only so far; expected --engine llamacpp")
+    from tuner.engines.registry import backend, names, spoken
+
+    if not backend(config.engine).profiled:
+        profiled = names(profiled=True)
+        raise TunerError(f"--engine {config.engine!r}: predictions need an engine profile, measured for "
+                         f"{spoken(profiled)} only so far; expected --engine {spoken(profiled)}")
     if not 0 <= args.replicates <= 100:
         raise TunerError(f"--replicates {args.replicates} is invalid: expected an integer in [0, 100]")
     if args.speed_drift is not None and not 0 <= args.speed_drift <= 1:

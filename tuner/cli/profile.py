@@ -24,9 +24,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    if config.engine != "llamacpp":
-        raise TunerError(f"--engine {config.engine!r}: engine profiles are measured for llamacpp only so far; "
-                         "expected --engine llamacpp")
+    from tuner.engines.registry import backend, names, spoken
+
+    if not backend(config.engine).profiled:
+        profiled = spoken(names(profiled=True))
+        raise TunerError(f"--engine {config.engine!r}: engine profiles are measured for {profiled} only so far; "
+                         f"expected --engine {profiled}")
     out_path = check_output_path(args.json)
     from tuner.predict.profile import load_or_measure
 

@@ -32,12 +32,15 @@ def exporter(target: str) -> Callable[[TrialConfig, Context | None], Export]:
 
 
 def export(target: str, config: TrialConfig, ctx: Context | None = None) -> Export:
+    from tuner.engines.registry import backend, names, spoken
+
     fn = exporter(target)
-    if config.engine == "endpoint":
+    measured_on = backend(config.engine)
+    if not measured_on.launched:
         raise TunerError(f"--to {target}: this config was measured on a running endpoint ({config.endpoint}) that tuner "
                          "did not launch, so there is no server configuration to export: expected a trial of engine "
-                         "transformers, llamacpp or vllm")
-    if config.engine != "transformers" and target != config.engine:
+                         f"{spoken(names(launched=True))}")
+    if measured_on.export_to not in (None, target):  # its quant and knobs are that target's own
         raise TunerError(f"--to {target}: this config was measured on engine {config.engine} (quant {config.quant} "
-                         f"is that engine's own type); expected --to {config.engine}")
+                         f"is that engine's own type); expected --to {measured_on.export_to}")
     return fn(config, ctx or Context())

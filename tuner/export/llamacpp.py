@@ -174,8 +174,10 @@ def export_native(config: TrialConfig, ctx: Context) -> Export:
 
 
 def export(config: TrialConfig, ctx: Context | None = None) -> Export:
+    from tuner.engines.registry import backend
+
     ctx = ctx or Context()
-    if config.engine == "llamacpp":
+    if backend(config.engine).export_to == "llamacpp":  # measured on llama.cpp itself: its own GGUF type and knobs
         return export_native(config, ctx)
     notes = [engine_note(ctx, ENGINE, same=False)]
     draft = config.draft_spec

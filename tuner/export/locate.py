@@ -88,21 +88,24 @@ def measured_settings(config: TrialConfig, engine: dict[str, Any] | None, paths:
                       model_path: str | None = None) -> dict[str, Any]:
     """What a server engine resolved and served when the trial was measured (llama.cpp: -c and the quantized GGUF;
     vLLM: the converted checkpoint and VLLM_CPU_KVCACHE_SPACE), so its export is that command. Updates `paths` in place; returns extra Context fields."""
+    from tuner.engines.registry import backend
+
     settings = (engine or {}).get("settings") or {}
-    if config.engine not in ("vllm", "llamacpp"):
+    target = backend(config.engine).export_to  # the target whose terms the engine recorded its settings in
+    if target is None:  # in-process, or a server tuner did not launch: nothing a launched server resolved
         return {}
     # the files that were served (model, draft, their sources) and their sha256, as the engine recorded them: the
     # export names the measured files (serve.sh's defaults, checked there), wherever they are now
     served = dict(settings.get("paths") or {})
-    if config.engine == "vllm" and settings.get("model_dir"):
+    if target == "vllm" and settings.get("model_dir"):
         served.setdefault("model", settings["model_dir"])
-    if config.engine == "llamacpp" and settings.get("gguf"):
+    if target == "llamacpp" and settings.get("gguf"):
         served.setdefault("served_gguf", settings["gguf"])
     for key, value in served.items():
         if not (model_path and key in ("model", "gguf", "served_gguf")):
             paths[key] = value
     digests = {k: v for k, v in (settings.get("sha256") or {}).items() if isinstance(v, str)}
-    if config.engine == "vllm":  # the converted checkpoint that was served, and the KV space it was given
+    if target == "vllm":  # the converted checkpoint that was served, and the KV space it was given
         return {"kv_cache_gib": settings.get("kv_cache_gib"), "digests": digests}
     avail = settings.get("available_bytes")
     return {"ctx_tokens": settings.get("ctx_tokens"), "digests": digests,

