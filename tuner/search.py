@@ -323,8 +323,9 @@ class StorageLock:
 
 # --------------------------------------------------------------------------------------- study, trials --- #
 def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_trials: int,
-               join: bool = False) -> Any:
-    """Create or load the study (call with the storage lock held). `join`: the study must exist already."""
+               join: bool = False, start: bool = True) -> Any:
+    """Create or load the study (call with the storage lock held). `join`: the study must exist already. `start`:
+    enqueue a new study's start-up trials (`--strategy predict` enqueues its own, the baseline first)."""
     import optuna
 
     storage = open_storage(storage_url, create=not join, read_only=False)
@@ -350,7 +351,7 @@ def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_tri
     else:
         for k, v in attrs.items():
             study.set_user_attr(k, v)
-    if not study.get_trials(deepcopy=False):
+    if start and not study.get_trials(deepcopy=False):
         enqueue_start(study, ctx.space, seed, n_trials)
     return study
 
@@ -499,7 +500,10 @@ def sigterm_as_interrupt() -> Any:
 
 
 def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, timeout: str | None, seed: int,
-               progress: bool = True, join: bool = False, trial_memory_bytes: int | None = None) -> dict[str, Any]:
+               progress: bool = True, join: bool = False, trial_memory_bytes: int | None = None,
+               strategy: Any = None) -> dict[str, Any]:
+    """`strategy` (tuner.predict.strategy.PredictStrategy, `--strategy predict`) chooses each trial's configuration
+    and when to stop; None: Optuna's sampler does (`--strategy measure`)."""
     import warnings
 
     import optuna
@@ -517,7 +521,7 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
     lock = StorageLock(storage_url)
     try:
         with lock:
-            study = open_study(ctx, storage_url, name, seed, n_trials, join=join)
+            study = open_study(ctx, storage_url, name, seed, n_trials, join=join, start=strategy is None)
     except BaseException:
         lock.close(remove_if_created=True)
         raise
@@ -530,6 +534,8 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
     try:
         with sigterm_as_interrupt():
             ctx.study_dir.mkdir(parents=True, exist_ok=True)
+            if strategy is not None:  # predict every configuration first (profiles what the time affords)
+                strategy.prepare(ctx, None if deadline is None else deadline - time.monotonic())
             bar = tqdm(total=n_trials, initial=len(study.get_trials(deepcopy=False, states=done_states)),
                        desc="trials", unit="trial", disable=not progress)
 
@@ -571,6 +577,10 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
                             if progress:
                                 print(f"\ntuner search: --timeout {timeout}: {late}", file=sys.stderr)
                             break
+                    if strategy is not None and not strategy.enqueue_next(study, ctx.space):
+                        if progress:
+                            print(f"\ntuner search: --strategy predict stops: {strategy.stopped}", file=sys.stderr)
+                        break
                     try:
                         study.optimize(func, n_trials=1, catch=(TrialFailed,), callbacks=[on_trial],
                                        gc_after_trial=True)
@@ -584,7 +594,7 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
             bar.close()
         with contextlib.suppress(Exception), lock:  # what finished is kept and summarized
             fail_dead_trials(study)
-            write_answer(study, ctx, storage_url, time.time() - t0)
+            write_answer(study, ctx, storage_url, time.time() - t0, strategy)
         lock.close()
         raise
     except BaseException:
@@ -593,7 +603,7 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
     bar.close()
     try:
         with lock:
-            return write_answer(study, ctx, storage_url, time.time() - t0)
+            return write_answer(study, ctx, storage_url, time.time() - t0, strategy)
     finally:
         lock.close()
 
@@ -646,7 +656,8 @@ def remember_quality(ctx: SearchContext, trials: list[Any]) -> None:
 
 
 
-def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float) -> dict[str, Any]:
+def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float, strategy: Any = None
+                 ) -> dict[str, Any]:
     from tuner.files import write_json_atomic, write_text_atomic
 
     rows = rows_from_study(study)
@@ -656,6 +667,8 @@ def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float
     a["slo"] = ctx.slo.to_dict()
     a["workload"] = ctx.workload.to_dict()
     a["n_running"] = sum(r.state in ("RUNNING", "WAITING") for r in rows)
+    if strategy is not None:
+        a.update(strategy.report(study))
     if a.get("recommendation"):
         study.set_user_attr("recommended_trial", a["recommendation"]["trial"])
     ctx.study_dir.mkdir(parents=True, exist_ok=True)

@@ -97,6 +97,7 @@ class Row:
     engine: str | None = None
     launch: list[str] | None = None  # a server engine's exact argv, as `tuner export` writes it
     trial_capacity: dict[str, Any] | None = None  # the trial's own measure when `capacity` is its re-measure
+    predicted_rps: float | None = None  # --strategy predict: the capacity predicted before it was measured
 
     @property
     def feasible(self) -> bool:
@@ -147,7 +148,7 @@ def rows_from_study(study: Any) -> list[Row]:
                         ua.get("quality") or {}, constraints, ua.get("reason"),
                         cost, capacity, (ua.get("engine") or {}).get("name"),
                         launch_command((ua.get("engine") or {}).get("info") or {}),
-                        ua.get("capacity") if again else None))
+                        ua.get("capacity") if again else None, ua.get("predicted_requests_per_s")))
     return rows
 
 
@@ -439,6 +440,7 @@ def summary(r: Row) -> dict[str, Any]:
         "cost_per_million_tokens": r.cost, "reason": r.reason, "launch": r.launch,
         "confirmed": r.trial_capacity is not None,
         "in_trial_requests_per_s": (r.trial_capacity or {}).get("requests_per_s") if r.trial_capacity else None,
+        **({"predicted_requests_per_s": r.predicted_rps} if r.predicted_rps is not None else {}),
     }
 
 
@@ -447,7 +449,7 @@ CSV_FIELDS = ["number", "state", "feasible", "engine", "model", "quant", "batch_
               "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms",
               "e2e_p50_ms", "e2e_p99_ms", "failed", "peak_rss_mb", "peak_cuda_mb", "quality_score",
               "quality_stderr", "drop_pp", "drop_upper_pp", "quality_verdict", "kld_mean",
-              "cost_per_million_tokens", "reason"]
+              "cost_per_million_tokens", "reason", "predicted_capacity_rps"]
 
 
 def trials_csv(rows: list[Row]) -> str:
@@ -476,5 +478,6 @@ def trials_csv(rows: list[Row]) -> str:
             "quality_score": q.get("score"), "quality_stderr": q.get("score_stderr"), "drop_pp": q.get("drop_pp"),
             "drop_upper_pp": (gate.get("drop_ci_pp") or [None, None])[1], "quality_verdict": gate.get("verdict"),
             "kld_mean": q.get("kld_mean"), "cost_per_million_tokens": r.cost, "reason": r.reason,
+            "predicted_capacity_rps": r.predicted_rps,
         })
     return buf.getvalue()

@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-quality", action="store_true", help="skip quality scoring (no quality constraint)")
     p.add_argument("--quality-tasks", help="comma-separated lm-eval tasks (default: from the space file)")
     p.add_argument("--quality-limit", type=int, help="items per task (default: from the space file)")
+    p.add_argument("--strategy", choices=("measure", "predict"), default="measure",
+                   help="measure (the default): Optuna's sampler picks each configuration and every one is measured; "
+                        "predict (llamacpp only): every configuration is predicted from engine profiles (tuner "
+                        "predict), then the engine default and, one at a time, the configuration most likely to beat "
+                        "the best measured so far are measured; the pick is the best measured")
     p.add_argument("--trials", type=int, default=20, help="trial budget of the study, resumed runs included")
     p.add_argument("--timeout", help="the search's time budget: 20m, 1h, 90s; no trial starts that would end past "
                                      "it (expected: as long as the longest so far, plus the --confirm re-measures)")
@@ -303,8 +308,36 @@ def memory_bytes(gb: float | None) -> int | None:
     return int(gb * 2**30)
 
 
+def predict_strategy(args: argparse.Namespace, ctx: Any) -> Any:
+    """`--strategy predict`'s chooser (None for measure); llama.cpp only: the engine profiles are measured there."""
+    if getattr(args, "strategy", "measure") != "predict":
+        return None
+    if ctx.space.engines or ctx.space.engine != "llamacpp":
+        engines = ",".join(s.engine for s in ctx.space.engines) or ctx.space.engine
+        raise TunerError(f"--strategy predict with engine {engines}: predictions need an engine profile, measured "
+                         "for llamacpp only so far; expected --engine llamacpp (or --strategy measure)")
+    import sys
+
+    from tuner.cli.predict import capacity_pool
+    from tuner.predict.strategy import PredictStrategy
+
+    tokenizer: list[Any] = []
+
+    def pool_for(config: Any, options: Any) -> list[Any]:
+        if not tokenizer:
+            from tuner.models import checkpoint_dir
+            from tuner.quantize import load_tokenizer
+
+            tokenizer.append(load_tokenizer(checkpoint_dir(ctx.model)))
+        return capacity_pool(config, ctx.workload, options, tokenizer[0])
+
+    return PredictStrategy(pool_for, seed=args.seed,
+                           log=(lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr)))
+
+
 def run(args: argparse.Namespace, join: bool = False) -> int:
     ctx, storage_url, name, notes = build_context(args)
+    strategy = predict_strategy(args, ctx)
     from tuner.search import run_search
 
     made = make_results_dir(ctx.results_dir)
@@ -312,7 +345,7 @@ def run(args: argparse.Namespace, join: bool = False) -> int:
         for n in notes:
             print(f"note: {n}")
         result = run_search(ctx, storage_url, name, args.trials, args.timeout, args.seed, progress=not args.quiet,
-                            join=join, trial_memory_bytes=memory_bytes(args.trial_memory))
+                            join=join, trial_memory_bytes=memory_bytes(args.trial_memory), strategy=strategy)
     except TunerError:
         remove_if_empty(made)  # bad input found late (storage, study): leave nothing behind
         raise
@@ -415,8 +448,38 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
         if c:
             misses = "; ".join(f"{k} over by {v:.0%}" for k, v in c["misses"].items())
             lines.append(f"  closest: trial {c['trial']}: {_cfg(c['config'])}: {misses}")
+    if a.get("strategy") == "predict":
+        lines += predict_lines(a)
     lines.append(f"wrote {result['csv']} and {result['recommendation_path']}")
     return "\n".join(lines)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:+.0f}%"
+
+
+def predict_lines(a: dict[str, Any]) -> list[str]:
+    """--strategy predict: what was predicted, what was measured, and how far the model was off."""
+    err, cost = a["model_error"], a["prediction_cost"]
+    med = "-" if err["median_abs"] is None else f"{100 * err['median_abs']:.0f}%"
+    worst = "-" if err["worst_abs"] is None else f"{100 * err['worst_abs']:.0f}%"
+    per = cost.get("s_per_configuration")
+    lines = [f"predicted {a['n_predicted']} configurations, measured {a['n_measured']}; model error over this "
+             f"search: median {med}, worst {worst} (|predicted - measured| / measured, n={err['n']})",
+             f"  predicted: {a['n_predicted']} of the space's {a['n_configurations']} configurations in "
+             f"{cost['simulations']} simulations" + (f", {per:.2f} s per configuration" if per is not None else "")
+             + f" (profiles {cost.get('profile_s_total') or 0:.0f} s)"]
+    for left in a.get("left_out") or []:
+        lines.append(f"  not predicted: {left['configurations']} configuration(s): {left['why']}")
+    for m in a.get("measured") or []:
+        pr, band = m.get("predicted_requests_per_s"), m.get("predicted_band") or [None, None]
+        what = ("no prediction" if pr is None else
+                f"predicted {pr:.3g} req/s" + (f" [{band[0]:.3g}, {band[1]:.3g}]" if band[0] is not None else ""))
+        lines.append(f"  trial {m['trial']} {_cfg(m['config'] or {})}: {what}; measured {m['requests_per_s']:.3g} "
+                     f"req/s ({m.get('verdict')}); error {_pct(m.get('signed_error'))}")
+    if a.get("stopped"):
+        lines.append(f"  stopped: {a['stopped']}")
+    return lines
 
 
 def _num(v: Any, digits: int) -> str:

@@ -1,0 +1,269 @@
+"""`tuner search --strategy predict`: the choosing rule on fixed predictions driven through a real Optuna study, the
+enumeration and profile budget on simulated engines (unit), and one real search on llama-server (search tier)."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, assert_one_line_error, run_tuner
+from tuner.predict import strategy as st
+from tuner.space import load_space
+
+SPACE = REPO / "tests" / "data" / "tiny_predict_space.yaml"
+
+
+def fixed(space: Any, rps: dict[tuple[str, int], float], rel_band: float = 0.05) -> list[st.Prediction]:
+    """Predictions of every (quant, batch cap) of `space` with the given capacities and a narrow band."""
+    from optuna.trial import FixedTrial
+
+    from tuner.space import config_key, suggest_config
+
+    out = []
+    for params in st.enumerate_space(space):
+        c = suggest_config(FixedTrial(params), space, "smollm2-135m", "cpu").to_dict()
+        r = rps[(c["quant"], c["batch_cap"])]
+        out.append(st.Prediction(params, c, config_key(space, params), r, (r * (1 - rel_band), r * (1 + rel_band)),
+                                 "fixed"))
+    return out
+
+
+def drive(space: Any, strategy: st.PredictStrategy, truth: dict[tuple[str, int], float], trials: int = 20) -> Any:
+    """The search loop's use of the strategy (tuner.search.run_search) on an in-memory study, each trial's capacity
+    `truth`'s value for its configuration, recorded as tuner.objective records it."""
+    import optuna
+
+    from tuner.space import suggest_config
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.create_study(directions=["maximize", "maximize"])
+
+    def objective(trial: Any) -> tuple[float, float]:
+        c = suggest_config(trial, space, "smollm2-135m", "cpu").to_dict()
+        rps = truth[(c["quant"], c["batch_cap"])]
+        trial.set_user_attr("config", c)
+        trial.set_user_attr("capacity", {"requests_per_s": rps, "requests_per_s_ci": [rps, rps], "verdict": "meets"})
+        trial.set_user_attr("constraints", [0.0])
+        return rps, 0.0
+
+    for _ in range(trials):
+        if not strategy.enqueue_next(study, space):
+            break
+        study.optimize(objective, n_trials=1)
+    return study
+
+
+def measured_configs(study: Any) -> list[tuple[str, int]]:
+    return [(t.user_attrs["config"]["quant"], t.user_attrs["config"]["batch_cap"]) for t in study.trials]
+
+
+RAW = {("Q4_1", 1): 1.0, ("Q4_1", 2): 1.8, ("Q4_1", 4): 2.4, ("Q8_0", 1): 0.8, ("Q8_0", 2): 1.4, ("Q8_0", 4): 3.0}
+
+
+def test_a_model_off_by_a_constant_factor_is_recalibrated_and_the_search_stops_early() -> None:
+    """The engine serves half of every prediction. After the baseline the predictions are scaled by the measured
+    ratio: the configuration the raw model puts above the best measured (Q4_1 cap 2: 1.8 predicted > 1.5 measured)
+    is never measured, nor one whose calibrated band's top is below the best; the search stops with 3 of 6."""
+    space = load_space(SPACE)
+    strategy = st.PredictStrategy(lambda c, o: [])
+    strategy.predictions = fixed(space, RAW)
+    truth = {k: v / 2 for k, v in RAW.items()}
+    study = drive(space, strategy, truth)
+    got = measured_configs(study)
+    assert got == [("Q4_1", 1), ("Q8_0", 4), ("Q4_1", 4)]  # the baseline first, then by the chance to beat the best
+    assert study.trials[0].user_attrs["baseline"] is True
+    assert ("Q4_1", 2) not in got and ("Q8_0", 1) not in got
+    assert strategy.stopped and "has a chance of 2.3%" in strategy.stopped
+    second = study.trials[1].user_attrs
+    assert second["predicted_requests_per_s"] == 3.0  # the raw model's figure is what the trial records
+    assert second["predicted_calibrated_requests_per_s"] == pytest.approx(1.5)  # x measured/predicted of trial 0
+    report = strategy.report(study)
+    assert (report["strategy"], report["n_predicted"], report["n_measured"]) == ("predict", 6, 3)
+    assert [m["signed_error"] for m in report["measured"]] == pytest.approx([1.0, 1.0, 1.0])  # +100%: 2x high
+    assert report["model_error"]["median_abs"] == pytest.approx(1.0)
+
+
+def test_an_accurate_model_measures_only_what_can_still_win() -> None:
+    """The model is right: after the baseline the best predicted is measured, and every configuration whose band's
+    top (calibrated, 2 spreads up) is below it stays unmeasured."""
+    space = load_space(SPACE)
+    strategy = st.PredictStrategy(lambda c, o: [])
+    strategy.predictions = fixed(space, RAW)
+    study = drive(space, strategy, RAW)
+    got = measured_configs(study)
+    assert got[:2] == [("Q4_1", 1), ("Q8_0", 4)] and len(got) < len(RAW)
+    for t in study.trials[1:]:  # each chosen one's band reached above the best measured when it was chosen
+        assert t.user_attrs["predicted_calibrated_band"][1] > t.user_attrs["best_measured_before_rps"]
+    ratio, sigma = st.calibration([(RAW[k], RAW[k]) for k in got])
+    left = [p for p in strategy.predictions if (p.config["quant"], p.config["batch_cap"]) not in got]
+    assert left and all(st.calibrated_band(p, ratio, sigma)[1] < 3.0 for p in left)  # why it stopped
+
+
+def test_the_band_counts_not_the_point_alone() -> None:
+    """Against a best of 2.0: a prediction of 2.2 with a narrow band is more likely to beat it than one of 2.3 whose
+    band spans 0.5..5 (the wide one is as likely below as above); the narrow one is chosen."""
+    space = load_space(SPACE)
+    preds = fixed(space, RAW)
+    narrow, wide = preds[1], preds[2]
+    narrow.rps, narrow.band = 2.2, (2.15, 2.25)
+    wide.rps, wide.band = 2.3, (0.5, 5.0)
+    chosen, chance = st.next_candidate([narrow, wide], set(), 1.0, st.PRIOR_SIGMA, 2.0)
+    assert chosen is narrow and 0.5 < chance < 1
+    assert st.next_candidate([wide], set(), 1.0, st.PRIOR_SIGMA, 2.0)[1] < chance
+    # far below the best: no chance left, nothing chosen
+    narrow.rps, narrow.band = 1.0, (0.95, 1.05)
+    assert st.next_candidate([narrow], set(), 1.0, st.PRIOR_SIGMA, 2.0)[0] is None
+
+
+def test_calibration_is_the_measured_ratio_and_its_spread_shrinks_with_agreeing_measurements() -> None:
+    ratio, sigma = st.calibration([(2.0, 1.0), (4.0, 2.0), (1.0, 0.5)])
+    assert ratio == pytest.approx(0.5) and sigma < st.PRIOR_SIGMA
+    assert st.calibration([]) == (1.0, st.PRIOR_SIGMA)
+    assert st.calibration([(2.0, 0.0)]) == (1.0, st.PRIOR_SIGMA)  # a zero capacity carries no ratio
+    assert st.calibration([(1.0, 2.0), (1.0, 0.5)])[1] > st.PRIOR_SIGMA  # disagreeing: wider than the prior
+
+
+def test_the_space_is_enumerated_with_a_few_values_of_each_continuous_knob() -> None:
+    from tuner.space import config_key
+
+    space = load_space(REPO / "tests" / "data" / "tiny_llamacpp_space.yaml")
+    grid = st.enumerate_space(space)
+    # Q4_1 (baseline) + 2 weight types, batch caps 1 (baseline) + 2, 4, KV types auto, q8_0, and the KV fraction
+    # at 0.002, its log-middle and 0.01 (= the baseline's)
+    assert len(grid) == 3 * 3 * 2 * 3
+    assert sorted({p["kv_fraction"] for p in grid}) == pytest.approx([0.002, 0.002 ** 0.5 * 0.01 ** 0.5, 0.01])
+    assert len({config_key(space, p) for p in grid}) == len(grid)
+    assert config_key(space, dict(space.baseline)) in {config_key(space, p) for p in grid}
+
+
+def test_the_baseline_format_is_profiled_first_then_the_closest() -> None:
+    base = ("Q4_1", "auto", 0, 0)
+    formats = [("Q8_0", "q8_0", 1, 0), ("Q8_0", "auto", 0, 0), base, ("Q4_0", "auto", 0, 0)]
+    order = st.profile_order(formats, base, seed=0)
+    assert order[0] == base and set(order[1:3]) == {("Q8_0", "auto", 0, 0), ("Q4_0", "auto", 0, 0)}
+    assert order[3] == ("Q8_0", "q8_0", 1, 0)
+
+
+# ------------------------------------------------------------------ prepare, on simulated profiles --- #
+def simulated_profile(truth: Any, cap: int, name: str) -> dict[str, Any]:
+    """A profile taken by the real protocol (tuner.predict.profile.collect_samples) on a simulated engine."""
+    from tuner.predict import profile as prof
+    from tuner.predict.fit import fit_step_model
+    from tuner.predict.simulate import SimulatedEngine
+
+    engine = SimulatedEngine(truth, cap, seed=5)
+    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), cap,
+                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0))
+    _, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
+    return {"id": name, "key": {"host": {}, "build": {}}, "fit": fit, "samples": s, "notes": [], "batch_cap": cap,
+            "ranges": {"max_seqs": cap, "max_context_per_seq": max(prof.DECODE_PROMPTS) + prof.DECODE_TOKENS,
+                       "max_prompt_tokens": max(prof.PREFILL_TOKENS)}}
+
+
+class SimulatedProfiles(st.PredictStrategy):
+    """The strategy with the llama-server profile replaced by one taken on a simulated engine (per weight type)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.profiled: list[str] = []
+
+    def cached(self, members: list[st.Prediction], cap: int) -> None:
+        return None
+
+    def measure(self, members: list[st.Prediction], cap: int) -> dict[str, Any]:
+        from tuner.predict.simulate import StepModel
+
+        quant = members[0].config["quant"]
+        self.profiled.append(quant)
+        per_seq = {"Q4_1": 0.002, "Q8_0": 0.001}[quant]
+        return simulated_profile(StepModel(decode_base_s=0.010, decode_per_seq_s=per_seq, prefill_base_s=0.003,
+                                           prefill_per_token_s=1e-4, noise_sigma=0.1), cap, f"sim-{quant}")
+
+
+def context(space: Any) -> Any:
+    from tuner.objective import SearchContext
+    from tuner.targets import SLO, parse_slo
+    from tuner.workload import WorkloadSpec
+
+    slo = SLO(bounds=tuple(parse_slo("e2e:p50<5s")))
+    return SearchContext(model="smollm2-135m", device="cpu", space=space, primary=slo.bounds[0], slo=slo,
+                         max_quality_drop=1.0, workload=WorkloadSpec(requests=24, input_len=(64, 200),
+                                                                     output_len=(32, 64)),
+                         quality_tasks=("arc_easy",), quality_limit=20, score_quality=False,
+                         probe_requests=(12, 30), max_probes=3)
+
+
+def pool(config: Any, options: Any) -> list[Any]:
+    from tuner.workload import Request
+
+    rng = random.Random(1)
+    return [Request(i, "", tuple(range(rng.randint(64, 200))), rng.randint(32, 64), None)
+            for i in range(options.pool_size(config.batch_cap, 2))]
+
+
+def test_a_short_timeout_profiles_the_baseline_format_only_and_says_what_was_left_out() -> None:
+    space = load_space(SPACE)
+    strategy = SimulatedProfiles(pool)
+    # 40% of 0.1 s is below the first profile's own time (the baseline's format is always profiled)
+    strategy.prepare(context(space), time_left_s=0.1)
+    assert strategy.profiled == ["Q4_1"]
+    report = strategy.report_prediction()
+    assert report["n_predicted"] == 3 and report["n_configurations"] == 6
+    assert report["left_out"] == [{"configurations": 3, "why": report["left_out"][0]["why"]}]
+    assert "quant=Q8_0" in report["left_out"][0]["why"] and "time budget" in report["left_out"][0]["why"]
+    caps = {p.config["batch_cap"]: p for p in strategy.predictions}
+    assert caps[4].rps > caps[1].rps > 0  # a continuous-batching engine serves more at a higher cap
+    assert all(p.band[0] <= p.rps <= p.band[1] for p in strategy.predictions)
+    assert report["prediction_cost"]["simulations"] == 3 and report["prediction_cost"]["s_per_configuration"] > 0
+
+
+def test_without_a_timeout_every_format_within_the_profile_cap_is_predicted() -> None:
+    space = load_space(SPACE)
+    strategy = SimulatedProfiles(pool)
+    strategy.prepare(context(space), time_left_s=None)
+    assert strategy.profiled == ["Q4_1", "Q8_0"] and not strategy.left_out
+    best = max(strategy.predictions, key=lambda p: p.rps)
+    assert (best.config["quant"], best.config["batch_cap"]) == ("Q8_0", 4)  # the faster steps, the most slots
+
+
+def test_predict_strategy_on_another_engine_is_one_line(tmp_path) -> None:
+    proc = run_tuner("search", "--model", "smollm2-135m", "--strategy", "predict", "--latency-target", "1s",
+                     "--no-quality", "--space", str(REPO / "tests" / "data" / "tiny_space.yaml"),
+                     "--results-dir", str(tmp_path / "r"))
+    assert_one_line_error(proc, "--strategy predict with engine transformers", "expected --engine llamacpp")
+    assert not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------------------ a real search --- #
+def test_llamacpp_predict_search_measures_fewer_than_it_predicts(tmp_path) -> None:
+    """A real `tuner search --strategy predict` on llama-server: every configuration of the space predicted from
+    this host's profiles, the engine default measured first, fewer measured than predicted, the pick a measured
+    one, each measured configuration's predicted capacity recorded beside its measured one."""
+    import optuna
+
+    proc = run_tuner("search", "--model", "smollm2-135m", "--engine", "llamacpp", "--space", str(SPACE),
+                     "--strategy", "predict", "--results-dir", str(tmp_path), "--study", "pred", "--seed", "0",
+                     "--quiet", "--probe-requests", "8:12", "--max-probes", "2", "--latency-target", "60s",
+                     "--latency-metric", "e2e:p50", "--trials", "3", "--no-quality", "--confirm", "0",
+                     timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "pred" / "recommendation.json").read_text())
+    assert rec["strategy"] == "predict" and rec["n_predicted"] == 6 and 1 <= rec["n_measured"] < rec["n_predicted"]
+    study = optuna.load_study(study_name="pred", storage=f"sqlite:///{tmp_path / 'tuner.db'}")
+    first = study.trials[0].user_attrs
+    assert first["baseline"] and (first["config"]["quant"], first["config"]["batch_cap"]) == ("Q4_1", 1)
+    by_trial = {m["trial"]: m for m in rec["measured"]}
+    for t in study.trials:
+        if t.state.name == "COMPLETE":
+            m = by_trial[t.number]
+            assert m["predicted_requests_per_s"] == t.user_attrs["predicted_requests_per_s"] > 0
+            assert m["requests_per_s"] == t.user_attrs["capacity"]["requests_per_s"]
+    r = rec["recommendation"]
+    assert r["trial"] in by_trial and r["predicted_requests_per_s"] == by_trial[r["trial"]]["predicted_requests_per_s"]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("predicted "))
+    assert f"predicted 6 configurations, measured {rec['n_measured']}; model error over this search" in line
+    print(line, rec["prediction_cost"], [(m["trial"], m["predicted_requests_per_s"], m["requests_per_s"],
+                                          m["signed_error"]) for m in rec["measured"]])

@@ -1,0 +1,431 @@
+"""`tuner search --strategy predict`: predict every configuration of the space, measure the few that matter.
+
+1. **Predict.** The space's configurations are enumerated (every categorical choice x `CONTINUOUS_VALUES` values of
+   each continuous knob, the baseline's value included) and grouped by engine profile (the format: weight type,
+   KV type, threads, ubatch; tuner.predict.profile). A profile costs 60-90 s per format on 2 cores, so only those
+   the search's time affords are profiled (cached ones are free): the baseline's format first, then the formats
+   closest to it (fewest format knobs changed; ties in a seeded random order), at most `PROFILE_SHARE` of
+   --timeout (`MAX_PROFILES` measured ones without --timeout). The rest, and configurations with a draft (not
+   profiled yet), are left out and the answer says which and why. Each (format, batch cap) is simulated once
+   (tuner.predict.estimate: the real capacity search on the simulated engine): the simulator does not model the
+   KV fraction, so configurations differing only in it share one prediction. A point prediction for every one,
+   then the band (`BAND_REPLICATES` resampled fits and the engine's speed drift, estimate.predict) for each.
+2. **Measure, one at a time**, through the normal Optuna loop (each choice is enqueued, so the real objective,
+   child, quality gate and answer run unchanged): the engine default first, then after each measurement the
+   predictions are recalibrated (x the geometric mean of measured / predicted over the configurations measured
+   with a capacity, tuner.predict.strategy.calibration) and the next is the configuration most likely to beat the
+   best feasible measured capacity (`chance_to_beat`: lognormal around the calibrated prediction, its spread the
+   prediction's own band combined with the calibration's scatter). The search stops when no unmeasured
+   configuration has a chance of at least `STOP_CHANCE` (its calibrated band's top, 2 spreads up, is below the
+   best), or the trials / timeout run out. A format the quality gate prunes takes its configurations out.
+3. The answer is the best **measured** configuration (tuner.study); `report` adds what was predicted and measured,
+   each measured configuration's predicted capacity beside its measured one with the signed error
+   (predicted - measured) / measured, and the model's error over this search.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+CONTINUOUS_VALUES = 3  # values of a continuous knob predicted: low, middle, high (log or linear), + the baseline's
+FORMAT_FIELDS = ("quant", "kv_type", "threads", "ubatch")  # what a profile is measured for (profile.profile_key)
+PROFILE_S_GUESS = 90.0  # a profile's cost before one was measured here (issue 26's target per format on 2 cores)
+PROFILE_SHARE = 0.4  # of the --timeout left when the search starts: what profiling may take
+MAX_PROFILES = 4  # profiles measured (cached ones not counted) when there is no --timeout
+BAND_REPLICATES = 2  # resampled fits per band (estimate.predict adds the engine-speed pair)
+PRIOR_SIGMA = 0.3  # log-spread of measured / predicted before any measurement (README: errors of -8% to -45%)
+PRIOR_WEIGHT = 2.0  # pseudo-measurements the prior spread counts as
+SPREADS = 2.0  # a calibrated band is +-2 spreads (about 95%)
+STOP_CHANCE = 0.5 * math.erfc(SPREADS / math.sqrt(2))  # = P(z > 2): below it, the band's top is under the best
+
+
+@dataclass
+class Prediction:
+    """One configuration of the space and its predicted capacity (req/s within the SLO, raw: not calibrated)."""
+
+    params: dict[str, Any]  # Optuna parameter names -> values (what enqueue_trial takes)
+    config: dict[str, Any]  # the TrialConfig as a dict
+    key: tuple[tuple[str, Any], ...]  # tuner.space.config_key
+    rps: float | None = None
+    band: tuple[float, float] | None = None
+    profile: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------- the choosing rule --- #
+def calibration(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(ratio, spread) from (predicted, measured) capacities of the configurations measured so far: ratio = the
+    geometric mean of measured / predicted; spread = the log-scatter of those ratios, shrunk towards PRIOR_SIGMA
+    (PRIOR_WEIGHT pseudo-measurements). Pairs with a zero on either side carry no ratio."""
+    logs = [math.log(m / p) for p, m in pairs if p and m and p > 0 and m > 0]
+    if not logs:
+        return 1.0, PRIOR_SIGMA
+    mean = statistics.fmean(logs)
+    ss = sum((x - mean) ** 2 for x in logs)
+    return math.exp(mean), math.sqrt((PRIOR_WEIGHT * PRIOR_SIGMA ** 2 + ss) / (PRIOR_WEIGHT + len(logs) - 1))
+
+
+def spread_of(p: Prediction, sigma_cal: float) -> float:
+    """The log-spread of one calibrated prediction: its own band (min..max of a handful of replicates, taken as
+    +-1 spread) combined with the calibration's scatter."""
+    own = 0.0
+    if p.band and p.band[0] and p.band[1] and p.band[0] > 0:
+        own = math.log(p.band[1] / p.band[0]) / 2
+    return math.sqrt(own ** 2 + sigma_cal ** 2)
+
+
+def chance_to_beat(p: Prediction, ratio: float, sigma_cal: float, best_rps: float) -> float:
+    """P(the configuration's real capacity > best_rps): lognormal around its calibrated prediction."""
+    if not p.rps or p.rps <= 0:
+        return 0.0
+    if best_rps <= 0:
+        return 1.0
+    z = math.log(best_rps / (p.rps * ratio)) / spread_of(p, sigma_cal)
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def calibrated_band(p: Prediction, ratio: float, sigma_cal: float) -> list[float] | None:
+    if not p.rps:
+        return None
+    s = spread_of(p, sigma_cal)
+    return [p.rps * ratio * math.exp(-SPREADS * s), p.rps * ratio * math.exp(SPREADS * s)]
+
+
+def next_candidate(predictions: Sequence[Prediction], done: set, ratio: float, sigma_cal: float,
+                   best_rps: float) -> tuple[Prediction | None, float]:
+    """The unmeasured configuration (key not in `done`) most likely to beat `best_rps` (ties: the higher calibrated
+    prediction, then the larger KV fraction), and its chance; (None, best chance) when none reaches STOP_CHANCE."""
+    ranked = sorted(((chance_to_beat(p, ratio, sigma_cal, best_rps), p.rps or 0.0,
+                      float(p.config.get("kv_fraction") or 0.0), -i, p)
+                     for i, p in enumerate(predictions) if p.key not in done), key=lambda t: t[:4], reverse=True)
+    if not ranked:
+        return None, 0.0
+    top = ranked[0]
+    return (top[4], top[0]) if top[0] >= STOP_CHANCE else (None, top[0])
+
+
+# ------------------------------------------------------------------------------------- enumeration --- #
+def knob_values(knob: Any, baseline: Any) -> list[Any]:
+    """A knob's values to predict: its choices, or CONTINUOUS_VALUES points of its range (+ the baseline's)."""
+    from tuner.space import DEFAULTS
+
+    if knob.choices is not None:
+        return list(knob.choices)
+    lo, hi, n = knob.low, knob.high, CONTINUOUS_VALUES
+    pts = [lo * (hi / lo) ** (i / (n - 1)) if knob.log else lo + (hi - lo) * i / (n - 1) for i in range(n)]
+    if isinstance(DEFAULTS[knob.name], int):
+        pts = [int(round(v)) for v in pts]
+    if baseline is not None and lo <= baseline <= hi:
+        pts.append(baseline)
+    return sorted(set(pts))
+
+
+def enumerate_space(space: Any) -> list[dict[str, Any]]:
+    """Every configuration to predict as Optuna parameters, with knobs a `when:` switches off left out (as
+    tuner.space.suggest_config samples them)."""
+    from tuner.space import switched_off_value
+
+    out: list[tuple[dict[str, Any], dict[str, Any]]] = [({}, {})]  # (parameters, every knob's value so far)
+    for name, knob in space.knobs.items():
+        grown = []
+        for params, values in out:
+            if all(values.get(k) in allowed for k, allowed in knob.when.items()):
+                grown += [({**params, name: v}, {**values, name: v})
+                          for v in knob_values(knob, space.baseline.get(name))]
+            else:
+                grown.append((params, {**values, name: switched_off_value(space, name)}))
+        out = grown
+    return [params for params, _ in out]
+
+
+def format_of(config: dict[str, Any]) -> tuple[Any, ...]:
+    """The profile's format of a configuration (TrialConfig.to_dict leaves engine knobs at their default out)."""
+    from tuner.space import DEFAULTS
+
+    return tuple(config.get(k, DEFAULTS[k]) for k in FORMAT_FIELDS)
+
+
+def describe_format(fmt: tuple[Any, ...]) -> str:
+    return " ".join(f"{k}={v}" for k, v in zip(FORMAT_FIELDS, fmt))
+
+
+def profile_order(formats: Sequence[tuple[Any, ...]], baseline: tuple[Any, ...], seed: int) -> list[tuple[Any, ...]]:
+    """The baseline's format first, then by how many format knobs differ from it, ties in a seeded order."""
+    rng = random.Random(seed)
+    shuffled = list(formats)
+    rng.shuffle(shuffled)
+    return sorted(shuffled, key=lambda f: (f != baseline, sum(a != b for a, b in zip(f, baseline))))
+
+
+# ----------------------------------------------------------------------------------------- strategy --- #
+class PredictStrategy:
+    """The search loop's chooser (tuner.search.run_search calls `prepare` once, `enqueue_next` before each trial and
+    `report` for the answer). `pool_for(config, options)`: the capacity pool `tuner bench --capacity` builds."""
+
+    def __init__(self, pool_for: Callable[[Any, Any], list[Any]], seed: int = 0,
+                 log: Callable[[str], None] = lambda s: None) -> None:
+        self.pool_for = pool_for
+        self.seed = seed
+        self.log = log
+        self.predictions: list[Prediction] = []
+        self.n_configurations = 0
+        self.left_out: list[dict[str, Any]] = []
+        self.profiles: dict[str, dict[str, Any]] = {}
+        self.timing: dict[str, Any] = {}
+        self.notes: list[str] = []
+        self.stopped: str | None = None
+        self.by_id: dict[str, dict[str, Any]] = {}  # profile id -> profile
+        self.pools: dict[int, list[Any]] = {}  # batch cap -> capacity pool
+
+    # ---------------------------------------------------------------------------------- predict --- #
+    def options(self, ctx: Any) -> Any:
+        """The capacity settings each trial's `tuner bench --capacity` runs with (tuner.objective.bench_args)."""
+        from tuner.capacity import CapacityOptions
+
+        return CapacityOptions(slo=ctx.slo, probe_requests=tuple(ctx.probe_requests), max_probes=ctx.max_probes,
+                               max_wall_s=ctx.capacity_timeout_s, saturation_requests=ctx.saturation_requests,
+                               arrival=ctx.workload.arrival, seed=ctx.workload.seed)
+
+    def prepare(self, ctx: Any, time_left_s: float | None) -> None:
+        """Enumerate, profile what the time affords, predict every profiled configuration."""
+        from optuna.trial import FixedTrial
+
+        from tuner.space import config_key, suggest_config
+
+        space = ctx.space
+        groups: dict[tuple[Any, ...], list[Prediction]] = {}
+        grid = enumerate_space(space)
+        self.n_configurations = len(grid)
+        for params in grid:
+            config = suggest_config(FixedTrial(params), space, ctx.model, ctx.device)
+            p = Prediction(params, config.to_dict(), config_key(space, params) or tuple(params.items()))
+            if config.draft != "none":
+                self.leave_out(p, f"draft {config.draft}: speculative decoding is not profiled yet")
+                continue
+            groups.setdefault(format_of(p.config), []).append(p)
+        base_cfg = suggest_config(FixedTrial(dict(space.baseline)), space, ctx.model, ctx.device).to_dict()
+        order = profile_order(list(groups), format_of(base_cfg), self.seed)
+        budget_s = PROFILE_SHARE * time_left_s if time_left_s is not None else None
+        spent_s, measured, longest_s = 0.0, 0, PROFILE_S_GUESS
+        options = self.options(ctx)
+        for fmt in order:
+            members = groups[fmt]
+            cap = max(p.config["batch_cap"] for p in members)
+            cached = self.cached(members, cap)
+            if cached is None and fmt != order[0]:
+                why = None
+                if budget_s is not None and spent_s + longest_s > budget_s:
+                    why = (f"the time budget: profiling may take {PROFILE_SHARE:.0%} of --timeout ({budget_s:.0f} s), "
+                           f"{spent_s:.0f} s spent, ~{longest_s:.0f} s more per format")
+                elif budget_s is None and measured >= MAX_PROFILES:
+                    why = f"at most {MAX_PROFILES} formats are profiled without --timeout"
+                if why:
+                    for p in members:
+                        self.leave_out(p, f"{describe_format(fmt)} not profiled ({why})")
+                    continue
+            t = time.perf_counter()
+            try:
+                profile = cached or self.measure(members, cap)
+            except Exception as e:  # a format llama-server cannot serve here: said, its configurations left out
+                from tuner.errors import one_line
+
+                for p in members:
+                    self.leave_out(p, f"{describe_format(fmt)}: its profile failed: {one_line(e)}")
+                continue
+            took = time.perf_counter() - t
+            if cached is None:
+                spent_s, measured, longest_s = spent_s + took, measured + 1, max(longest_s if measured else 0, took)
+            self.profiles[describe_format(fmt)] = {"id": profile["id"], "cached": cached is not None,
+                                                   "batch_cap": profile["batch_cap"], "profile_s": took}
+            self.predict_group(members, profile, options)
+        self.band_all(options)
+        self.timing["profile_s"] = spent_s
+
+    def leave_out(self, p: Prediction, why: str) -> None:
+        for entry in self.left_out:
+            if entry["why"] == why:
+                entry["configurations"] += 1
+                return
+        self.left_out.append({"why": why, "configurations": 1})
+
+    def cached(self, members: list[Prediction], cap: int) -> dict[str, Any] | None:
+        """The cached profile of this format on this host and build covering `cap` sequences, or None."""
+        from tuner.config import TrialConfig
+        from tuner.predict.profile import profile_id, profile_key, profiles_dir, read_profile
+
+        config = TrialConfig.from_dict(members[0].config)
+        path = profiles_dir() / f"{profile_id(profile_key(config))}.json"
+        prof = read_profile(path) if path.exists() else None
+        return prof if prof is not None and prof["batch_cap"] >= cap else None
+
+    def measure(self, members: list[Prediction], cap: int) -> dict[str, Any]:
+        """Profile the format at its largest batch cap, served with its largest KV fraction (room per slot)."""
+        from tuner.config import TrialConfig
+        from tuner.predict.profile import load_or_measure
+
+        widest = max(members, key=lambda p: (p.config["batch_cap"], p.config.get("kv_fraction") or 0))
+        self.log(f"predict: profiling {describe_format(format_of(widest.config))} at -np {cap}")
+        return load_or_measure(TrialConfig.from_dict(widest.config), cap, log=self.log)
+
+    def predict_group(self, members: list[Prediction], profile: dict[str, Any], options: Any) -> None:
+        """A point prediction per batch cap of this format (one simulation, shared by the KV fractions)."""
+        from tuner.config import TrialConfig
+        from tuner.predict.estimate import simulated_capacity, token_budget
+        from tuner.predict.profile import step_model
+
+        by_cap: dict[int, list[Prediction]] = {}
+        for p in members:
+            by_cap.setdefault(p.config["batch_cap"], []).append(p)
+        model = step_model(profile)
+        for cap, same in sorted(by_cap.items()):
+            config = TrialConfig.from_dict(same[0].config)
+            requests = self.pool(config, options)
+            t = time.perf_counter()
+            got = simulated_capacity(model, cap, requests, options, token_budget(config), self.seed)
+            self.timing.setdefault("point_s", []).append(time.perf_counter() - t)
+            for p in same:
+                p.rps, p.profile = float(got.get("requests_per_s") or 0.0), profile["id"]
+                p.notes = list(got.get("notes") or [])
+            self.predictions += same
+        self.by_id[profile["id"]] = profile
+
+    def pool(self, config: Any, options: Any) -> list[Any]:
+        """The capacity pool for this batch cap (it depends on the batch cap only: built once per cap)."""
+        if config.batch_cap not in self.pools:
+            self.pools[config.batch_cap] = self.pool_for(config, options)
+        return self.pools[config.batch_cap]
+
+    def band_all(self, options: Any) -> None:
+        """The band of every simulation (estimate.predict with BAND_REPLICATES resampled fits)."""
+        from tuner.config import TrialConfig
+        from tuner.predict.estimate import predict
+
+        done: dict[tuple[str | None, int], tuple[float, float] | None] = {}
+        spent = 0.0
+        for p in self.predictions:
+            k = (p.profile, p.config["batch_cap"])
+            if k not in done:
+                config = TrialConfig.from_dict(p.config)
+                requests = self.pool(config, options)
+                t = time.perf_counter()
+                got = predict(self.by_id[p.profile], config, requests, options, replicates=BAND_REPLICATES,
+                              seed=self.seed)
+                spent += time.perf_counter() - t
+                lo, hi = got["capacity"]["band"]
+                done[k] = (lo, hi) if lo is not None and hi is not None else None
+            p.band = done[k]
+        self.timing["band_s"] = spent
+        self.timing["simulations"] = len(done)
+
+    # ---------------------------------------------------------------------------------- measure --- #
+    def state(self, study: Any, space: Any) -> tuple[set, list[tuple[float, float]], float, Any, set]:
+        """(keys measured or tried, (predicted, measured) pairs, best feasible measured req/s, its trial, quality
+        keys pruned by the gate)."""
+        from tuner.objective import quality_key
+        from tuner.search import interrupted
+        from tuner.space import config_key
+
+        done, pairs, best, best_trial, pruned = set(), [], 0.0, None, set()
+        for t in study.get_trials(deepcopy=False):
+            if t.state.name == "WAITING" or interrupted(t):
+                continue
+            key = config_key(space, t.params)
+            if key is not None:
+                done.add(key)
+            ua = t.user_attrs
+            if t.state.name == "PRUNED" and str(ua.get("reason") or "").startswith("quality:") and ua.get("config"):
+                pruned.add(quality_key(ua["config"]))
+            if t.state.name != "COMPLETE":
+                continue
+            measured = float((ua.get("capacity") or {}).get("requests_per_s") or 0.0)
+            if ua.get("predicted_requests_per_s") is not None:
+                pairs.append((float(ua["predicted_requests_per_s"]), measured))
+            if all(c <= 0 for c in ua.get("constraints") or [1]) and measured > best:
+                best, best_trial = measured, t.number
+        return done, pairs, best, best_trial, pruned
+
+    def enqueue_next(self, study: Any, space: Any) -> bool:
+        """Enqueue the next configuration to measure (the baseline first); False, with `stopped` said, when none
+        has a meaningful chance. A WAITING trial already enqueued is measured first."""
+        from tuner.objective import quality_key
+        from tuner.space import config_key
+
+        trials = study.get_trials(deepcopy=False)
+        if any(t.state.name == "WAITING" for t in trials):
+            return True
+        done, pairs, best, best_trial, pruned = self.state(study, space)
+        ratio, sigma = calibration(pairs)
+        if not any(t.user_attrs.get("baseline") for t in trials):
+            key = config_key(space, dict(space.baseline))
+            p = next((p for p in self.predictions if p.key == key), None)
+            study.enqueue_trial(dict(space.baseline), user_attrs={"baseline": True, **self.attrs(p, ratio, sigma,
+                                                                                                  best, None)})
+            return True
+        open_ = [p for p in self.predictions if quality_key(p.config) not in pruned]
+        p, chance = next_candidate(open_, done, ratio, sigma, best)
+        if p is None:
+            left = sum(p.key not in done for p in open_)
+            self.stopped = (f"no unmeasured configuration of the {left} predicted has a chance of {STOP_CHANCE:.1%} "
+                            f"to beat the best measured ({best:.3g} req/s, trial {best_trial}); the best chance left "
+                            f"{chance:.1%} (predictions x {ratio:.2f} calibrated, spread {sigma:.2f})"
+                            if left else "every predicted configuration was measured")
+            return False
+        study.enqueue_trial(dict(p.params), user_attrs=self.attrs(p, ratio, sigma, best, chance))
+        return True
+
+    def attrs(self, p: Prediction | None, ratio: float, sigma: float, best: float, chance: float | None
+              ) -> dict[str, Any]:
+        if p is None or p.rps is None:
+            return {"strategy": "predict", "predicted_requests_per_s": None}
+        return {"strategy": "predict", "predicted_requests_per_s": p.rps,
+                "predicted_band": list(p.band) if p.band else None, "predicted_profile": p.profile,
+                "predicted_calibrated_requests_per_s": p.rps * ratio,
+                "predicted_calibrated_band": calibrated_band(p, ratio, sigma),
+                "predicted_chance_to_beat": chance, "best_measured_before_rps": best}
+
+    # ----------------------------------------------------------------------------------- answer --- #
+    def report(self, study: Any) -> dict[str, Any]:
+        """What recommendation.json adds: every figure labelled predicted or measured."""
+        measured = []
+        for t in study.get_trials(deepcopy=False):
+            ua = t.user_attrs
+            if t.state.name != "COMPLETE" or not isinstance(ua.get("capacity"), dict):
+                continue
+            m = float(ua["capacity"].get("requests_per_s") or 0.0)
+            pr = ua.get("predicted_requests_per_s")
+            measured.append({"trial": t.number, "config": ua.get("config"), "predicted_requests_per_s": pr,
+                             "predicted_band": ua.get("predicted_band"),
+                             "predicted_calibrated_requests_per_s": ua.get("predicted_calibrated_requests_per_s"),
+                             "predicted_chance_to_beat": ua.get("predicted_chance_to_beat"),
+                             "requests_per_s": m, "requests_per_s_ci": ua["capacity"].get("requests_per_s_ci"),
+                             "verdict": ua["capacity"].get("verdict"),
+                             "signed_error": (pr - m) / m if pr is not None and m > 0 else None})
+        errors = [abs(e["signed_error"]) for e in measured if e["signed_error"] is not None]
+        return {**self.report_prediction(), "n_measured": len(measured), "measured": measured,
+                "model_error": {"n": len(errors), "median_abs": statistics.median(errors) if errors else None,
+                                "worst_abs": max(errors) if errors else None,
+                                "definition": "(predicted - measured) / measured, raw model (not calibrated)"},
+                "stopped": self.stopped}
+
+    def report_prediction(self) -> dict[str, Any]:
+        """What was predicted, left out and what it cost (every figure here predicted, none measured)."""
+        points = self.timing.get("point_s") or []
+        return {"strategy": "predict", "n_configurations": self.n_configurations,
+                "n_predicted": sum(p.rps is not None for p in self.predictions),
+                "left_out": self.left_out, "profiles": self.profiles,
+                "prediction_cost": {"simulations": self.timing.get("simulations", len(points)),
+                                    "point_s_per_simulation": statistics.median(points) if points else None,
+                                    "point_s_total": sum(points), "band_s_total": self.timing.get("band_s"),
+                                    "profile_s_total": self.timing.get("profile_s"),
+                                    "s_per_configuration": ((sum(points) + (self.timing.get("band_s") or 0.0))
+                                                            / max(1, len(self.predictions)))},
+                "top_predicted": [{"config": p.config, "predicted_requests_per_s": p.rps,
+                                   "predicted_band": list(p.band) if p.band else None}
+                                  for p in sorted(self.predictions, key=lambda p: -(p.rps or 0))[:10]]}
+
