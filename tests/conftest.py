@@ -136,6 +136,7 @@ TEST_TIERS = {
     "test_capacity.py::test_a_neighbour_present_throughout_the_measurement_is_seen_and_measured_again": {"slow"},
     "test_capacity.py::test_a_slow_engine_leaves_budget_for_the_rate_probes": {"slow"},
     "test_export_run.py::test_transformers_script_generates_from_a_fresh_directory": {"model"},
+    "test_predict_strategy.py::test_llamacpp_predict_search_measures_fewer_than_it_predicts": {"search", "server"},
     "test_harness_roofline.py::test_bench_with_the_default_bandwidth_probe_measures_an_engine_that_does_not_know_its_"
     "weights": {"server", "model"},
     "test_harness_client.py::test_closed_loop_at_the_slot_count_loses_no_request_and_the_server_saw_each": {
