@@ -31,9 +31,11 @@ def fixed(space: Any, rps: dict[tuple[str, int], float], rel_band: float = 0.05)
     return out
 
 
-def drive(space: Any, strategy: st.PredictStrategy, truth: dict[tuple[str, int], float], trials: int = 20) -> Any:
+def drive(space: Any, strategy: st.PredictStrategy, truth: dict[tuple[str, int], float], trials: int = 20,
+          exceeds: tuple[str, ...] = ()) -> Any:
     """The search loop's use of the strategy (tuner.search.run_search) on an in-memory study, each trial's capacity
-    `truth`'s value for its configuration, recorded as tuner.objective records it."""
+    `truth`'s value for its configuration, recorded as tuner.objective records it; a weight type in `exceeds` fails
+    the quality gate (pruned before its capacity is measured, as tuner.objective.apply_quality does)."""
     import optuna
 
     from tuner.space import suggest_config
@@ -45,6 +47,10 @@ def drive(space: Any, strategy: st.PredictStrategy, truth: dict[tuple[str, int],
         c = suggest_config(trial, space, "smollm2-135m", "cpu").to_dict()
         rps = truth[(c["quant"], c["batch_cap"])]
         trial.set_user_attr("config", c)
+        if c["quant"] in exceeds:
+            trial.set_user_attr("quality", {"gate": {"verdict": "exceeds"}})
+            trial.set_user_attr("reason", f"quality: {c['quant']} drops 5 pp > budget 1 pp with confidence")
+            raise optuna.TrialPruned()
         trial.set_user_attr("capacity", {"requests_per_s": rps, "requests_per_s_ci": [rps, rps], "verdict": "meets"})
         trial.set_user_attr("constraints", [0.0])
         return rps, 0.0
@@ -100,6 +106,16 @@ def test_an_accurate_model_measures_only_what_can_still_win() -> None:
     ratio, sigma = st.calibration([(RAW[k], RAW[k]) for k in got])
     left = [p for p in strategy.predictions if (p.config["quant"], p.config["batch_cap"]) not in got]
     assert left and all(st.calibrated_band(p, ratio, sigma)[1] < 3.0 for p in left)  # why it stopped
+
+
+def test_a_weight_type_out_of_the_quality_budget_takes_its_configurations_out() -> None:
+    space = load_space(SPACE)
+    strategy = st.PredictStrategy(lambda c, o: [])
+    strategy.predictions = fixed(space, RAW)
+    study = drive(space, strategy, RAW, exceeds=("Q8_0",))
+    tried = [(t.params.get("quant") or t.user_attrs["config"]["quant"], t.state.name) for t in study.trials]
+    assert tried[:2] == [("Q4_1", "COMPLETE"), ("Q8_0", "PRUNED")]  # Q8_0 cap 4, the best predicted, is tried once
+    assert [q for q, _ in tried].count("Q8_0") == 1 and tried[2] == ("Q4_1", "COMPLETE")
 
 
 def test_the_band_counts_not_the_point_alone() -> None:

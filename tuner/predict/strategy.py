@@ -217,7 +217,11 @@ class PredictStrategy:
         for fmt in order:
             members = groups[fmt]
             cap = max(p.config["batch_cap"] for p in members)
-            cached = self.cached(members, cap)
+            try:
+                cached = self.cached(members, cap)
+            except Exception as e:  # the format's GGUF or the engine build is missing
+                self.fail(fmt, members, e)
+                continue
             if cached is None and fmt != order[0]:
                 why = None
                 if budget_s is not None and spent_s + longest_s > budget_s:
@@ -233,10 +237,7 @@ class PredictStrategy:
             try:
                 profile = cached or self.measure(members, cap)
             except Exception as e:  # a format llama-server cannot serve here: said, its configurations left out
-                from tuner.errors import one_line
-
-                for p in members:
-                    self.leave_out(p, f"{describe_format(fmt)}: its profile failed: {one_line(e)}")
+                self.fail(fmt, members, e)
                 continue
             took = time.perf_counter() - t
             if cached is None:
@@ -246,6 +247,16 @@ class PredictStrategy:
             self.predict_group(members, profile, options)
         self.band_all(options)
         self.timing["profile_s"] = spent_s
+        for k in (k for k in space.knobs.values() if k.choices is None):
+            self.notes.append(f"{k.name}: {CONTINUOUS_VALUES} values of its range (+ the baseline's) predicted" +
+                              ("; the simulator does not model it: configurations differing only in it share one "
+                               "prediction" if k.name == "kv_fraction" else ""))
+
+    def fail(self, fmt: tuple[Any, ...], members: list[Prediction], e: Exception) -> None:
+        from tuner.errors import one_line
+
+        for p in members:
+            self.leave_out(p, f"{describe_format(fmt)}: its profile failed: {one_line(e)}")
 
     def leave_out(self, p: Prediction, why: str) -> None:
         for entry in self.left_out:
@@ -339,8 +350,8 @@ class PredictStrategy:
             if key is not None:
                 done.add(key)
             ua = t.user_attrs
-            if t.state.name == "PRUNED" and str(ua.get("reason") or "").startswith("quality:") and ua.get("config"):
-                pruned.add(quality_key(ua["config"]))
+            if ((ua.get("quality") or {}).get("gate") or {}).get("verdict") == "exceeds" and ua.get("config"):
+                pruned.add(quality_key(ua["config"]))  # the format is out of the quality budget (the baseline too)
             if t.state.name != "COMPLETE":
                 continue
             measured = float((ua.get("capacity") or {}).get("requests_per_s") or 0.0)
@@ -418,7 +429,7 @@ class PredictStrategy:
         points = self.timing.get("point_s") or []
         return {"strategy": "predict", "n_configurations": self.n_configurations,
                 "n_predicted": sum(p.rps is not None for p in self.predictions),
-                "left_out": self.left_out, "profiles": self.profiles,
+                "left_out": self.left_out, "profiles": self.profiles, "notes": self.notes,
                 "prediction_cost": {"simulations": self.timing.get("simulations", len(points)),
                                     "point_s_per_simulation": statistics.median(points) if points else None,
                                     "point_s_total": sum(points), "band_s_total": self.timing.get("band_s"),
