@@ -18,3 +18,18 @@ BASE = ["--model", "smollm2-135m", "--slo", "ttft:p90<2s"]
 ])
 def test_bad_input_is_one_line(args: list[str], needles: list[str]) -> None:
     assert_one_line_error(run_tuner(*args, timeout=120), *needles)
+
+
+def test_a_measured_bench_of_another_configuration_is_refused_before_any_profiling(tmp_path) -> None:
+    import json
+
+    missing = run_tuner("predict", *BASE, "--engine", "llamacpp", "--measured", str(tmp_path / "none.json"),
+                        timeout=120)
+    assert_one_line_error(missing, "--measured", "none.json", "cannot read it")
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"config": {"model": "smollm2-135m", "engine": "llamacpp", "quant": "Q4_0"},
+                                 "metrics": {"capacity": {"requests_per_s": 1.0, "slo": {"bounds": []}}}}))
+    other = run_tuner("predict", *BASE, "--engine", "llamacpp", "--quant", "Q8_0", "--measured", str(bench),
+                      timeout=120)
+    assert_one_line_error(other, "--measured: the bench measured", "quant='Q4_0'", "quant='Q8_0'", "expected the same")
+    assert "profiling" not in other.stdout + other.stderr

@@ -83,3 +83,38 @@ def test_the_band_covers_the_engine_running_slower_than_its_profile(profiled: di
     assert fit_only["capacity"]["band"][0] > slower * (1 + options.tolerance)  # missed without the speed term
     lo, hi = carried["capacity"]["band"]
     assert lo <= slower * (1 + options.tolerance) and slower <= hi
+
+
+def test_a_measured_capacity_outside_the_band_is_recorded_and_later_bands_carry_it(profiled: dict[str, Any],
+                                                                                   monkeypatch, tmp_path) -> None:
+    """The engine measured 1.6x slower than its profile (past the speed drift the band carries): the comparison
+    says the measured capacity fell outside the band and records it; the next prediction from this profile carries
+    that error (its band holds the measured capacity) and says how many measured capacities fell outside."""
+    from tuner.predict import calibration
+
+    monkeypatch.setattr(calibration, "history_path", lambda pid: tmp_path / f"{pid}.calibration.jsonl")
+    options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
+    pool = workload(options, 4)
+    from tuner.predict.estimate import scaled
+
+    config = {"model": "m", "engine": "llamacpp", "quant": "Q8_0", "batch_cap": 4}
+    measured = simulated_capacity(scaled(TRUTH, 1.6), 4, pool, options, 2048, 100)  # a real search's record
+    bench = {"config": config, "workload": {"input_len": [64, 200]}, "metrics": {"capacity": measured}}
+    before = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=2,
+                     history=calibration.read_history("simulated"))
+    assert before["calibration"]["history"]["n"] == 0
+    rec = calibration.compare(dict(before, config=config, workload={"input_len": [64, 200]}), bench)
+    assert rec["within_band"] is False and rec["error"] > 0.2  # predicted well above what was measured
+    assert rec["contradicts"] == (rec["measured_ci"][1] < rec["band"][0])
+    calibration.record("simulated", rec)
+    after = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=2,
+                    history=calibration.read_history("simulated"))
+    lo, hi = after["capacity"]["band"]
+    assert lo <= measured["requests_per_s"] <= hi
+    assert before["capacity"]["band"][0] > measured["requests_per_s"]
+    assert after["calibration"]["history"]["n"] == 1
+    assert any(n.startswith("1 of 1 capacities measured for predictions from this profile fell outside their band")
+               for n in after["notes"])
+    with pytest.raises(Exception, match="the bench measured quant='Q4_0'"):
+        calibration.compare(dict(before, config=dict(config), workload={}),
+                            dict(bench, config=dict(config, quant="Q4_0")))

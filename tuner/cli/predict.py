@@ -47,6 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default 0.2: every step x 1.2 and / 1.2; 0: the fit's uncertainty only)")
     g.add_argument("--refresh-profile", action="store_true", help="measure the engine profile again")
     g.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
+    g.add_argument("--measured", metavar="BENCH_JSON",
+                   help="the --json of `tuner bench --capacity` with the same flags: the prediction is compared with "
+                        "it and the comparison recorded in this profile's calibration history, whose errors every "
+                        "later prediction's band carries")
 
 
 def check_args(args: argparse.Namespace, config: Any) -> None:
@@ -99,8 +103,13 @@ def run(args: argparse.Namespace) -> int:
     check_args(args, config)
     spec = workload_from_args(args)
     out_path = check_output_path(args.json)
+    bench = read_bench_json(args.measured) if args.measured else None
     _, slo = build_slo(args.latency_target, args.latency_metric, args.slo, args.attainment, args.confidence)
     options = capacity_options(args, slo, spec.seed, spec.arrival)
+    if bench is not None:  # before any profiling: a bench of something else is said at once
+        from tuner.predict.calibration import check_same
+
+        check_same(config.to_dict(), slo.to_dict(), spec.to_dict(), bench)
     from tuner.predict.estimate import SPEED_DRIFT, predict
     from tuner.predict.profile import load_or_measure
 
@@ -114,16 +123,45 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(checkpoint_dir(config.model))
     pool = capacity_pool(config, spec, options, tokenizer)
     t, cpu = time.perf_counter(), time.process_time()
+    from tuner.predict.calibration import compare, read_history, record
+
     result = predict(profile, config, pool, options, replicates=args.replicates, seed=spec.seed, rates=args.at_rate,
                      shares=args.at_share, requests_at=lambda r: bench_requests(config, spec, tokenizer, r),
-                     speed_drift=SPEED_DRIFT if args.speed_drift is None else args.speed_drift)
+                     speed_drift=SPEED_DRIFT if args.speed_drift is None else args.speed_drift,
+                     history=read_history(profile["id"]))
     result["predict_s"], result["predict_cpu_s"] = time.perf_counter() - t, time.process_time() - cpu
     result = {"predicted": True, "config": config.to_dict(), "workload": spec.to_dict(), **result,
               "profile_path": profile.get("path"), "profile_cached": profile.get("cached")}
+    if bench is not None:
+        rec = compare(result, bench)
+        result["measured"] = rec
+        result["calibration_path"] = str(record(profile["id"], rec))
     print(format_prediction(result))
     if out_path:
         write_json_atomic(out_path, result)
     return 0
+
+
+def history_text(h: dict[str, Any] | None) -> str:
+    if not h or not h.get("n"):
+        return ", no measured calibration yet"
+    med = "" if h["median_error"] is None else f", median error {h['median_error']:+.0%}"
+    return f", {h['n']} measured calibration{'s' if h['n'] != 1 else ''}{med}"
+
+
+def read_bench_json(path: str) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads(open(path, encoding="utf-8").read())
+    except OSError as e:
+        raise TunerError(f"--measured {path}: cannot read it ({e.strerror}); expected the --json of `tuner bench "
+                         "--capacity`") from None
+    except ValueError:
+        raise TunerError(f"--measured {path}: not JSON; expected the --json of `tuner bench --capacity`") from None
+    if not isinstance(data, dict):
+        raise TunerError(f"--measured {path}: not a bench result; expected the --json of `tuner bench --capacity`")
+    return data
 
 
 def _ms(v: Any) -> str:
@@ -145,7 +183,8 @@ def format_prediction(r: dict[str, Any]) -> str:
              f"); decode fit RMSE {1e3 * (cal['decode_fit']['rmse_s'] or 0):.2f} ms over {cal['decode_fit']['n']}, "
              f"prefill fit RMSE {1e3 * (cal['prefill_fit']['rmse_s'] or 0):.1f} ms over {cal['prefill_fit']['n']}",
              f"predicted capacity: {cap['requests_per_s']:.3f} req/s, band {_band(cap['band'], 3)} "
-             f"({cal['replicates']} resampled fits, engine speed ±{cal['speed_drift']:.0%}), verdict {cap['verdict'].upper()} for SLO "
+             f"({cal['replicates']} resampled fits, engine speed ±{cal['speed_drift']:.0%}"
+             f"{history_text(cal.get('history'))}), verdict {cap['verdict'].upper()} for SLO "
              f"{'; '.join(slo['bounds'])} at {slo['confidence']:.0%}",
              f"predicted saturation: {cap['saturation_rps']:.3f} req/s",
              f"  {'rate req/s':>11}{'ttft p50':>10}{'ttft p90':>10}{'ttft p99':>10}{'tpot p50':>10}{'e2e p90':>10}"
@@ -160,5 +199,12 @@ def format_prediction(r: dict[str, Any]) -> str:
                      f"{_ms(t['p50'])} {_band(t['band']['p50'])}, p90 {_ms(t['p90'])} {_band(t['band']['p90'])}, "
                      f"p99 {_ms(t['p99'])} ms; TPOT p50 {_ms(p['tpot_ms']['p50'])} ms")
     lines.append(f"predicted in {r['predict_s']:.2f} s ({r['predict_cpu_s']:.2f} s CPU)")
+    m = r.get("measured")
+    if m:
+        err = "" if m["error"] is None else f", error of the prediction {m['error']:+.0%}"
+        lines.append(f"MEASURED (tuner bench --capacity): {m['measured_requests_per_s']:.3f} req/s "
+                     f"{_band(m['measured_ci'], 3)}, verdict {str(m['measured_verdict']).upper()}{err}: "
+                     + ("within the predicted band" if m["within_band"] else "OUTSIDE the predicted band")
+                     + f"; recorded in {r['calibration_path']} (later bands carry it)")
     lines.extend(f"  note: {n}" for n in r.get("notes") or [])
     return "\n".join(lines)

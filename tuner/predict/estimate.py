@@ -11,7 +11,8 @@ x (1 + speed_drift) and / (1 + speed_drift) (`SPEED_DRIFT`, what a shared host's
 its use: a canary on an idle second server moved 13% and 18% within two minutes in the runs of
 tests/test_predict_llamacpp.py quiet enough for a verdict;
 near saturation a few percent of step time moves the queue's latency by tens of percent, so this term dominates
-there). Not carried: the model's structural error (a measured-vs-predicted history would; see the README). A configuration
+there). And the model's structural error as measured: the band joined with the predicted rate x every measured /
+predicted capacity ratio recorded for this profile (tuner.predict.calibration; `tuner predict --measured`). A configuration
 outside what the profile measured (more sequences, longer contexts or prompts) is extrapolated: said in `notes`, and
 the band widened each way by (f - 1) x the predicted rate, f the largest ratio by which it goes out of range.
 """
@@ -23,6 +24,7 @@ from typing import Any
 
 from tuner.capacity import CapacityOptions, CapacitySearch
 from tuner.metrics import compute_metrics
+from tuner.predict.calibration import widen
 from tuner.predict.fit import bootstrap_models
 from tuner.predict.profile import step_model
 from tuner.predict.simulate import SimulatedEngine, StepModel
@@ -115,7 +117,7 @@ def extrapolation(profile: dict[str, Any], batch_cap: int, pool: Sequence[Reques
 def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], options: CapacityOptions,
             replicates: int = 4, seed: int = 0, rates: Sequence[float] = (), shares: Sequence[float] = (),
             requests_at: Callable[[float], tuple[Sequence[Request], Sequence[Request]]] | None = None,
-            speed_drift: float = SPEED_DRIFT) -> dict[str, Any]:
+            speed_drift: float = SPEED_DRIFT, history: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """The predicted capacity of `config` under `options` on the capacity pool `pool`, its band, a latency-load
     curve, and the figures `tuner bench --rate R` would measure at each of `rates` and at each of `shares` x the
     predicted capacity (x the saturation rate when no rate meets), `requests_at(R)` giving its (requests, warm-up)."""
@@ -131,6 +133,13 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
     lo, hi = band_of([rate] + [r["requests_per_s"] for r in reps])
     if factor > 1 and lo is not None and hi is not None:
         lo, hi = max(lo - (factor - 1) * rate, 0.0), hi + (factor - 1) * rate
+    (lo, hi), calibrated = widen(rate, [lo, hi], list(history))
+    if calibrated["outside_band"]:
+        notes.append(f"{calibrated['outside_band']} of {calibrated['n']} capacities measured for predictions from this "
+                     f"profile fell outside their band ({calibrated['contradicted']} beyond the measurement's own "
+                     "interval): this band carries every measured / predicted ratio recorded"
+                     + (f" (error median {calibrated['median_error']:+.0%}, worst {calibrated['worst_error']:+.0%})"
+                        if calibrated["median_error"] is not None else ""))
     sat = point["saturation"]["requests_per_s"]
     n = min(CURVE_REQUESTS, len(pool))
     ramp = max(1, int(options.ramp_fraction * n))
@@ -163,7 +172,7 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
                         "prefill_fit": {k: fit["prefill"][k] for k in ("n", "rmse_s", "relative_rmse")},
                         "extrapolation_factor": factor, "profile_measured_at": profile.get("measured_at"),
                         "profile_host": profile["key"]["host"], "profile_build": profile["key"]["build"],
-                        "history": None},
+                        "history": calibrated},
         "notes": notes + [f"profile: {n}" for n in profile.get("notes") or []]
         + [f"simulated search: {n}" for n in point["notes"]],
     }

@@ -1,0 +1,116 @@
+"""The model's record against the real engine: every measured capacity compared with its prediction, kept per engine
+profile, and the prediction band widened by the errors measured so far.
+
+A record (one JSON line in `<profiles dir>/<profile id>.calibration.jsonl`, appended): the configuration, the SLO
+and workload, the predicted capacity and band, the measured capacity and its interval (`tuner bench --capacity`),
+the signed error (predicted - measured) / measured (none when nothing was measured to meet), the ratio measured /
+predicted, whether the measured capacity fell within the predicted band, and whether its interval excludes the band
+(the measurement contradicts the prediction, beyond its own uncertainty).
+
+The band a prediction states (`widen`): its own (fit, speed drift) joined with the predicted rate x every ratio
+measured / predicted recorded for this profile -- the whole range of what happened, not a quantile of it: a handful
+of records cannot support a quantile. Pure functions except `record` and `read_history`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from tuner.errors import TunerError
+
+
+def history_path(profile_id: str) -> Path:
+    from tuner.predict.profile import profiles_dir
+
+    return profiles_dir() / f"{profile_id}.calibration.jsonl"
+
+
+def read_history(profile_id: str) -> list[dict[str, Any]]:
+    """The records of this profile, oldest first (unreadable lines skipped: a torn last line of a killed writer)."""
+    path = history_path(profile_id)
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("ratio"), (int, float)):
+            out.append(rec)
+    return out
+
+
+def record(profile_id: str, rec: dict[str, Any]) -> Path:
+    """Append one record (a single write of one line)."""
+    path = history_path(profile_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(rec, sort_keys=True) + "\n")
+    return path
+
+
+def signed_error(predicted: float, measured: float) -> float | None:
+    return None if not measured else (predicted - measured) / measured
+
+
+def check_same(config: dict[str, Any], slo: dict[str, Any], workload: dict[str, Any], bench: dict[str, Any]) -> None:
+    """A one-line error unless `bench` (a `tuner bench --capacity` JSON) measured this configuration (device aside),
+    SLO and workload lengths."""
+    measured = (bench.get("metrics") or {}).get("capacity")
+    if not isinstance(measured, dict) or measured.get("requests_per_s") is None:
+        raise TunerError("--measured: the bench JSON holds no capacity; expected the --json of `tuner bench "
+                         "--capacity`")
+    pc = {k: v for k, v in config.items() if k != "device"}
+    bc = {k: v for k, v in (bench.get("config") or {}).items() if k != "device"}
+    diff = sorted(k for k in set(pc) | set(bc) if pc.get(k) != bc.get(k))
+    if diff:
+        raise TunerError(f"--measured: the bench measured {', '.join(f'{k}={bc.get(k)!r}' for k in diff)}, the "
+                         f"prediction is of {', '.join(f'{k}={pc.get(k)!r}' for k in diff)}: expected the same flags")
+    slo_b = (measured.get("slo") or {}).get("bounds")
+    if slo.get("bounds") != slo_b:
+        raise TunerError(f"--measured: the bench's SLO {slo_b} differs from the prediction's {slo.get('bounds')}: "
+                         "expected the same --slo")
+    for k in ("input_len", "output_len"):
+        a, b = workload.get(k), (bench.get("workload") or {}).get(k)
+        if a is not None and b is not None and list(a) != list(b):
+            raise TunerError(f"--measured: the bench's --{k.replace('_', '-')} {b} differs from the prediction's "
+                             f"{a}: expected the same workload")
+
+
+def compare(prediction: dict[str, Any], bench: dict[str, Any]) -> dict[str, Any]:
+    """A `tuner predict` result beside the `tuner bench --capacity` JSON of the same configuration, SLO and workload
+    lengths (else a one-line error naming what differs): the record `record` keeps."""
+    check_same(prediction["config"], prediction["search"]["slo"], prediction.get("workload") or {}, bench)
+    measured = bench["metrics"]["capacity"]
+    pc = {k: v for k, v in prediction["config"].items() if k != "device"}
+    slo_p = prediction["search"]["slo"]["bounds"]
+    cap = prediction["capacity"]
+    p, m = cap["requests_per_s"], measured["requests_per_s"]
+    lo, hi = cap["band"]
+    m_lo, m_hi = (measured.get("requests_per_s_ci") or [m, m])
+    return {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "profile": prediction["profile"], "config": pc, "slo": slo_p,
+            "workload": {k: (prediction.get("workload") or {}).get(k) for k in ("input_len", "output_len")},
+            "predicted_requests_per_s": p, "band": [lo, hi], "measured_requests_per_s": m,
+            "measured_ci": [m_lo, m_hi], "measured_verdict": measured.get("verdict"),
+            "error": signed_error(p, m), "ratio": m / p if p else None,
+            "within_band": lo is not None and hi is not None and lo <= m <= hi,
+            "contradicts": (lo is not None and hi is not None and m_lo is not None
+                            and (m_lo > hi or (m_hi is not None and m_hi < lo)))}
+
+
+def widen(rate: float, band: list[float | None], history: list[dict[str, Any]]) -> tuple[list[float | None], dict]:
+    """The band joined with `rate` x every measured/predicted ratio of `history`, and a summary of the history."""
+    ratios = [r["ratio"] for r in history if isinstance(r.get("ratio"), (int, float))]
+    errors = [r["error"] for r in history if r.get("error") is not None]
+    summary = {"n": len(ratios), "median_error": statistics.median(errors) if errors else None,
+               "worst_error": max(errors, key=abs) if errors else None,
+               "outside_band": sum(r.get("within_band") is False for r in history),
+               "contradicted": sum(r.get("contradicts") is True for r in history)}
+    lo, hi = band
+    if not ratios or not rate or lo is None or hi is None:
+        return [lo, hi], summary
+    return [min(lo, rate * min(ratios)), max(hi, rate * max(ratios))], summary
