@@ -26,6 +26,7 @@ from typing import Any
 from tuner.capacity import CapacityOptions
 from tuner.child import run_child
 from tuner.config import TrialConfig
+from tuner.engines.registry import backend
 from tuner.job import BenchJob, EvalJob, write_job
 from tuner.space import Space, suggest_config
 from tuner.targets import SLO, Bound
@@ -137,9 +138,10 @@ def quality(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[st
 
 
 def quality_key(config: dict[str, Any]) -> str:
-    """What quality depends on: the weights as served (engine, format and, on llama.cpp, the KV-cache type)."""
+    """What quality depends on: the weights as served (an in-process engine: its format; a server engine: the
+    engine, the format and the KV-cache type)."""
     engine = config.get("engine", "transformers")
-    if engine == "transformers":
+    if not backend(engine).server:
         return str(config.get("quant"))
     return f"{engine}:{config.get('quant')}:{config.get('kv_type', 'auto')}"
 
@@ -212,7 +214,7 @@ def apply_quality(trial: Any, ctx: SearchContext, config: TrialConfig, q: dict[s
     gate = q.get("gate") or {}
     if gate.get("verdict") == "exceeds" and not trial.user_attrs.get("baseline"):
         lo, hi = gate.get("drop_ci_pp") or [None, None]
-        what = config.quant if config.engine == "transformers" else f"{config.quant} KV {config.kv_type}"
+        what = f"{config.quant} KV {config.kv_type}" if backend(config.engine).server else config.quant
         screen = gate.get("screen") or {}
         if screen and not screen.get("passed") and screen.get("reason"):  # screened on its KLD: no drop measured
             why = f"quality: {what}: {screen['reason']}: capacity not measured"
