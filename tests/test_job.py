@@ -130,6 +130,8 @@ def edited(tmp_path: Path, change) -> Path:
     (lambda d: d.update(kind="train"), ("kind 'train' is invalid", "bench or eval")),
     (lambda d: d["capacity"]["slo"]["bounds"][0].update(limit_ms="fast"), ("capacity.slo.bounds[0].limit_ms",)),
     (lambda d: d["config"].update(quant="Q9_9"), ("config: unknown quantization format 'Q9_9'",)),
+    (lambda d: d["capacity"].update(max_wall_s=float("nan")), ("capacity.max_wall_s nan is invalid", "finite")),
+    (lambda d: d.update(capacity=[1, 2]), ("capacity [1, 2] is invalid", "an object (CapacityOptions)")),
 ])
 def test_a_bad_job_is_one_line_exit_2(tmp_path, change, needles):
     proc = run_job(edited(tmp_path, change))

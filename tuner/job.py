@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -110,6 +111,11 @@ def job_from_dict(data: Any, where: str = "job") -> Job:
 
 
 # ------------------------------------------------------------------------------------------- decoding --- #
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _name(hint: Any) -> str:
     if hint is type(None):
         return "null"
@@ -122,13 +128,13 @@ def _name(hint: Any) -> str:
         return "a list"
     if origin is dict:
         return "an object"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
+    return {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}.get(hint, str(hint))
 
 
 def decode(hint: Any, value: Any, where: str, field: str) -> Any:
     """`value` (from JSON) as the type `hint`, checked; `field` is its dotted name in the job."""
     def bad() -> TunerError:
-        return TunerError(f"{where}: {field or 'job'} {value!r} is invalid: expected {_name(hint)}")
+        return TunerError(f"{where}: {field or 'job'} {_short(value)} is invalid: expected {_name(hint)}")
 
     if hint is Any:
         return value
@@ -170,7 +176,7 @@ def decode(hint: Any, value: Any, where: str, field: str) -> Any:
             raise bad()
         return value
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise bad()
         return float(value)
     if hint is str:
@@ -182,7 +188,7 @@ def decode(hint: Any, value: Any, where: str, field: str) -> Any:
 
 def decode_dataclass(cls: type, value: Any, where: str, field: str) -> Any:
     if not isinstance(value, dict):
-        raise TunerError(f"{where}: {field or 'job'} {value!r} is invalid: expected {_name(cls)}")
+        raise TunerError(f"{where}: {field or 'job'} {_short(value)} is invalid: expected {_name(cls)}")
     known = [f for f in dataclasses.fields(cls) if f.init]
     names = {f.name for f in known}
     dot = f"{field}." if field else ""
