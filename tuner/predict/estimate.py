@@ -173,6 +173,7 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
                         "extrapolation_factor": factor, "profile_measured_at": profile.get("measured_at"),
                         "profile_host": profile["key"]["host"], "profile_build": profile["key"]["build"],
                         "history": calibrated},
-        "notes": notes + [f"profile: {n}" for n in profile.get("notes") or []]
+        "notes": notes + [f"profile{' (when it was measured)' if profile.get('cached') else ''}: {n}"
+                          for n in profile.get("notes") or []]
         + [f"simulated search: {n}" for n in point["notes"]],
     }
