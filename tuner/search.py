@@ -587,7 +587,8 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
                     except optuna.exceptions.UpdateFinishedTrialError:
                         pass  # our trial was failed by another worker (missed heartbeats): go on
             bar.close()
-            confirm_pick(study, ctx, lock, me, progress)
+            left_s = None if deadline is None else deadline - time.monotonic()
+            confirm_pick(study, ctx, lock, me, progress, left_s, run_start, timeout)
     except KeyboardInterrupt:
         lock.release()
         if bar is not None:
@@ -623,11 +624,33 @@ def past_deadline(trials: list[Any], me: str, since: Any, confirm: int, left_s: 
     return f"no new trial: {max(left_s, 0.0):.0f} s left ({what})"
 
 
-def confirm_pick(study: Any, ctx: SearchContext, lock: StorageLock, me: str, progress: bool) -> None:
+def remeasure_s(trials: list[Any], me: str, since: Any) -> float:
+    """What one re-measure of the pick is expected to take: the longest capacity measurement (child) this worker
+    ran in this run."""
+    return max((float(t.user_attrs.get("child_wall_s") or 0.0) for t in trials
+                if t.user_attrs.get("worker") == me and t.datetime_start and t.datetime_start >= since), default=0.0)
+
+
+def confirm_pick(study: Any, ctx: SearchContext, lock: StorageLock, me: str, progress: bool,
+                 left_s: float | None = None, since: Any = None, timeout: str | None = None) -> None:
     """Re-measure the pick after the last trial (tuner.confirm), by one worker, when no trial is running: a
-    measurement beside another trial on the same machine would not be the figure the user gets."""
+    measurement beside another trial on the same machine would not be the figure the user gets. With `left_s` of
+    --timeout left and less than one re-measure's expected time, none starts: the answer says the figure is the
+    trial's own (study attribute `confirm_skipped`)."""
     if ctx.confirm <= 0:
         return
+    if left_s is not None:
+        need = remeasure_s(study.get_trials(deepcopy=False), me, since)
+        if left_s < need:
+            why = (f"--timeout {timeout}: {max(left_s, 0.0):.0f} s left, a re-measure takes ~{need:.0f} s (its "
+                   "trial's measurement)")
+            if progress:
+                print(f"tuner search: the pick is not re-measured: {why}", file=sys.stderr)
+            with lock:
+                study.set_user_attr("confirm_skipped", why)
+            return
+    with lock:
+        study.set_user_attr("confirm_skipped", None)
     from tuner.confirm import confirm_best
 
     with lock:
@@ -667,6 +690,7 @@ def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float
     a["slo"] = ctx.slo.to_dict()
     a["workload"] = ctx.workload.to_dict()
     a["n_running"] = sum(r.state in ("RUNNING", "WAITING") for r in rows)
+    a["confirm_skipped"] = study.user_attrs.get("confirm_skipped")
     if strategy is not None:
         a.update(strategy.report(study))
     if a.get("recommendation"):

@@ -399,6 +399,9 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
 
             lines.append(f"  launch (exactly what was measured): {shlex.join(rec['launch'])}")
         lines.append(f"  binding constraint: {rec['binding_constraint']}")
+        if a.get("confirm_skipped") and not rec.get("confirmed"):
+            lines.append(f"  not re-measured after the search ({a['confirm_skipped']}): the figure is its trial's "
+                         "own, and the best of several noisy measurements tends to run high")
         for number, drift in (rec.get("machine_drift") or {}).items():
             lines.append(f"  machine: the engine's own speed moved {drift:+.0%} while trial {number} was measured "
                          "(its canary; a shared host): its figure, and the gain, can be off by about as much")
