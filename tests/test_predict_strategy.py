@@ -281,5 +281,9 @@ def test_llamacpp_predict_search_measures_fewer_than_it_predicts(tmp_path) -> No
     assert r["trial"] in by_trial and r["predicted_requests_per_s"] == by_trial[r["trial"]]["predicted_requests_per_s"]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("predicted "))
     assert f"predicted 6 configurations, measured {rec['n_measured']}; model error over this search" in line
+    for m in rec["measured"]:  # one line per measured configuration, each figure labelled
+        said = next(ln for ln in proc.stdout.splitlines() if ln.startswith(f"  trial {m['trial']} "))
+        assert f"predicted {m['predicted_requests_per_s']:.3g} req/s" in said
+        assert f"measured {m['requests_per_s']:.3g} req/s" in said
     print(line, rec["prediction_cost"], [(m["trial"], m["predicted_requests_per_s"], m["requests_per_s"],
                                           m["signed_error"]) for m in rec["measured"]])
