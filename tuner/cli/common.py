@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tuner.config import ENDPOINT_QUANT, ENGINE_KNOBS, ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES, TrialConfig
+from tuner.config import ENGINE_KNOBS, ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES, TrialConfig
+from tuner.engines.registry import ENGINES
 from tuner.errors import TunerError
 from tuner.files import write_json_atomic as write_json_atomic  # re-exported for the commands
 from tuner.workload import WorkloadSpec, parse_range
@@ -95,10 +96,10 @@ def config_from_args(args: argparse.Namespace) -> TrialConfig:
         knobs = {k: getattr(args, k) for k in CONFIG_FLAGS[1:] if getattr(args, k, None) is not None}
         if knobs.get("endpoint") and "engine" not in knobs:
             knobs["engine"] = "endpoint"
-        if knobs.get("engine") == "llamacpp" and "quant" not in knobs:
-            knobs["quant"] = "F16"  # llama.cpp's own type names; the unquantized half-precision GGUF by default
-        if knobs.get("engine") == "endpoint" and "quant" not in knobs:
-            knobs["quant"] = ENDPOINT_QUANT
+        if knobs.get("engine") in ENGINES and "quant" not in knobs:
+            # the engine's own default format (llama.cpp: its type names, the unquantized F16 GGUF; an endpoint:
+            # what it serves); an unknown engine is refused by TrialConfig with the accepted names
+            knobs["quant"] = ENGINES[knobs["engine"]].default_quant
         config = TrialConfig(model=args.model, **knobs)
     check_sources(config)
     return config
