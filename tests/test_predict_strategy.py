@@ -69,7 +69,7 @@ def measured_configs(study: Any) -> list[tuple[str, int]]:
 RAW = {("Q4_1", 1): 1.0, ("Q4_1", 2): 1.8, ("Q4_1", 4): 2.4, ("Q8_0", 1): 0.8, ("Q8_0", 2): 1.4, ("Q8_0", 4): 3.0}
 
 
-def test_a_model_off_by_a_constant_factor_is_recalibrated_and_the_search_stops_early() -> None:
+def test_a_model_off_by_a_constant_factor_is_recalibrated_and_the_search_stops_early(monkeypatch, tmp_path) -> None:
     """The engine serves half of every prediction. After the baseline the predictions are scaled by the measured
     ratio: the configuration the raw model puts above the best measured (Q4_1 cap 2: 1.8 predicted > 1.5 measured)
     is never measured, nor one whose calibrated band's top is below the best; the search stops with 3 of 6."""
@@ -86,10 +86,19 @@ def test_a_model_off_by_a_constant_factor_is_recalibrated_and_the_search_stops_e
     second = study.trials[1].user_attrs
     assert second["predicted_requests_per_s"] == 3.0  # the raw model's figure is what the trial records
     assert second["predicted_calibrated_requests_per_s"] == pytest.approx(1.5)  # x measured/predicted of trial 0
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path))  # the profiles' calibration histories
     report = strategy.report(study)
     assert (report["strategy"], report["n_predicted"], report["n_measured"]) == ("predict", 6, 3)
     assert [m["signed_error"] for m in report["measured"]] == pytest.approx([1.0, 1.0, 1.0])  # +100%: 2x high
     assert report["model_error"]["median_abs"] == pytest.approx(1.0)
+    # each measured trial went into its profile's calibration history, once over repeated answers (a resume)
+    from tuner.predict.calibration import read_history
+
+    strategy.report(study)
+    history = read_history(study.trials[0].user_attrs["predicted_profile"])
+    assert [h["ratio"] for h in history] == pytest.approx([0.5, 0.5, 0.5])
+    assert all(h["within_band"] is False and h["source"].startswith("tuner search --strategy predict")
+               for h in history)
 
 
 def test_an_accurate_model_measures_only_what_can_still_win() -> None:

@@ -88,12 +88,20 @@ def compare(prediction: dict[str, Any], bench: dict[str, Any]) -> dict[str, Any]
     pc = {k: v for k, v in prediction["config"].items() if k != "device"}
     slo_p = prediction["search"]["slo"]["bounds"]
     cap = prediction["capacity"]
-    p, m = cap["requests_per_s"], measured["requests_per_s"]
-    lo, hi = cap["band"]
+    return entry(prediction["profile"], pc, slo_p, {k: (prediction.get("workload") or {}).get(k)
+                                                    for k in ("input_len", "output_len")},
+                 cap["requests_per_s"], cap["band"], measured, "tuner predict --measured")
+
+
+def entry(profile_id: str, config: dict[str, Any], slo_bounds: Any, workload: dict[str, Any], predicted: float,
+          band: Any, measured: dict[str, Any], source: str) -> dict[str, Any]:
+    """One record: a prediction (`predicted` req/s, `band`) beside a measured capacity (a capacity result: its
+    requests_per_s, interval and verdict)."""
+    p, m = predicted, float(measured.get("requests_per_s") or 0.0)
+    lo, hi = band or (None, None)
     m_lo, m_hi = (measured.get("requests_per_s_ci") or [m, m])
-    return {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "profile": prediction["profile"], "config": pc, "slo": slo_p,
-            "workload": {k: (prediction.get("workload") or {}).get(k) for k in ("input_len", "output_len")},
+    return {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "source": source,
+            "profile": profile_id, "config": config, "slo": slo_bounds, "workload": workload,
             "predicted_requests_per_s": p, "band": [lo, hi], "measured_requests_per_s": m,
             "measured_ci": [m_lo, m_hi], "measured_verdict": measured.get("verdict"),
             "error": signed_error(p, m), "ratio": m / p if p else None,

@@ -418,11 +418,35 @@ class PredictStrategy:
                              "verdict": ua["capacity"].get("verdict"),
                              "signed_error": (pr - m) / m if pr is not None and m > 0 else None})
         errors = [abs(e["signed_error"]) for e in measured if e["signed_error"] is not None]
+        self.record_calibration(study)
         return {**self.report_prediction(), "n_measured": len(measured), "measured": measured,
                 "model_error": {"n": len(errors), "median_abs": statistics.median(errors) if errors else None,
                                 "worst_abs": max(errors) if errors else None,
                                 "definition": "(predicted - measured) / measured, raw model (not calibrated)"},
                 "stopped": self.stopped}
+
+    def record_calibration(self, study: Any) -> None:
+        """Every measured trial's predicted vs measured capacity into its profile's calibration history
+        (tuner.predict.calibration; each trial once, over resumes: study attribute `calibration_recorded`), so
+        later predictions from the profile (`tuner predict`) carry the errors this search measured."""
+        from tuner.predict.calibration import entry, record
+
+        done = set(study.user_attrs.get("calibration_recorded") or [])
+        new = []
+        for t in study.get_trials(deepcopy=False):
+            ua = t.user_attrs
+            if (t.state.name != "COMPLETE" or t.number in done or not isinstance(ua.get("capacity"), dict)
+                    or ua.get("predicted_requests_per_s") is None or not ua.get("predicted_profile")):
+                continue
+            cap = ua["capacity"]
+            record(ua["predicted_profile"], entry(
+                ua["predicted_profile"], {k: v for k, v in (ua.get("config") or {}).items() if k != "device"},
+                (cap.get("slo") or {}).get("bounds"), {}, float(ua["predicted_requests_per_s"]),
+                ua.get("predicted_band"), cap, f"tuner search --strategy predict (study {study.study_name}, "
+                                               f"trial {t.number})"))
+            new.append(t.number)
+        if new:
+            study.set_user_attr("calibration_recorded", sorted(done | set(new)))
 
     def report_prediction(self) -> dict[str, Any]:
         """What was predicted, left out and what it cost (every figure here predicted, none measured)."""
