@@ -481,12 +481,28 @@ def test_docs_table_names_every_target_version() -> None:
 
 def test_registries_agree() -> None:
     from tuner.cli.export import TARGET_NAMES
-    from tuner.export.common import ALIAS_FAMILY, ALIAS_GGUF, ALIAS_PARAMS, UPSTREAM_REPO
-    from tuner.models import ALIASES
 
     assert tuple(TARGETS) == TARGET_NAMES
-    for table in (UPSTREAM_REPO, ALIAS_GGUF, ALIAS_PARAMS, ALIAS_FAMILY):
-        assert set(table) == set(ALIASES)
+
+
+def test_the_alias_table_names_the_files_its_weights_packages_ship() -> None:
+    """tuner.models.ALIASES is the one table of bundled-model facts: its module, GGUF file name and part packages
+    are those of the installed weights packages (exports and locate name the file by gguf_name)."""
+    import importlib
+    import importlib.util
+
+    from tuner.models import ALIASES
+
+    for name, alias in ALIASES.items():
+        assert alias.name == name
+        spec = importlib.util.find_spec(alias.module)
+        assert spec is not None, alias.module
+        if alias.part_packages:
+            assert importlib.import_module(alias.module).MODEL_NAME == alias.gguf_name
+            for part in alias.part_packages:
+                assert importlib.util.find_spec(part.replace("-", "_")) is not None, part
+        else:
+            assert (Path(next(iter(spec.submodule_search_locations))) / alias.gguf_name).is_file()
 
 
 def test_a_draft_with_another_vocabulary_is_not_emitted_where_the_server_would_refuse_to_start():

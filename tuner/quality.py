@@ -57,7 +57,6 @@ WITHIN, EXCEEDS, INDETERMINATE = "within", "exceeds", "indeterminate"
 N_BOOT = 4000  # bootstrap resamples (fixed seed below: the same items give the same bounds)
 BOOT_SEED = 0
 _FORMAT_LIBS = {"bnb": "bitsandbytes", "torchao": "torchao", "gptq": "gptqmodel"}
-ALIAS_LINEAGE = {"smollm2-135m": "Q4_1", "gemma3-270m": "Q4_K_M"}
 
 
 @dataclass(frozen=True)

