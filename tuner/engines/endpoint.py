@@ -174,3 +174,11 @@ def format_reason(quant: str, device: str) -> str | None:
     from tuner.quantize import unsupported_reason
 
     return unsupported_reason(quant, device)
+
+
+def check_runs(device: str, model: str, endpoint: str | None = None, served_model: str | None = None) -> None:
+    """Before a search writes anything: the endpoint is reachable and takes the API key (one-line error if not)."""
+    from tuner.config import ENDPOINT_QUANT
+
+    EndpointEngine(TrialConfig(model=model, engine="endpoint", quant=ENDPOINT_QUANT, endpoint=endpoint,
+                               served_model=served_model)).prepare()

@@ -24,7 +24,7 @@ from typing import Any
 
 from tuner.errors import TunerError
 
-ENGINE_API = ("open_engine", "without_draft", "serves_on_host_cpu", "format_reason", "availability")
+ENGINE_API = ("open_engine", "without_draft", "serves_on_host_cpu", "format_reason", "availability", "check_runs")
 QUALITY_API = ("check_inputs", "score_quality", "screen_kld", "baseline_description")
 NO_EARLY_EXIT = ("none", "ngram", "draft")  # draft kinds a server's speculative decoding serves
 

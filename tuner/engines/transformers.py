@@ -57,3 +57,7 @@ def format_reason(quant: str, device: str) -> str | None:
     from tuner.quantize import unsupported_reason
 
     return unsupported_reason(quant, device)
+
+
+def check_runs(device: str, model: str, endpoint: str | None = None, served_model: str | None = None) -> None:
+    """Nothing to check before a search: the model loads in the trial's own process."""

