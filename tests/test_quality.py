@@ -373,7 +373,7 @@ def test_the_kld_lower_bound_holds_at_its_confidence():
 
 def _result(per_task: list[tuple[int, int, int, int]], quant: str = "bnb-nf4") -> Any:
     """A QualityResult from per-task counts (both right, only baseline right, only candidate right, both wrong)."""
-    from tuner.quality import QualityResult, TaskScore
+    from tuner.quality_common import QualityResult, TaskScore
 
     tasks, base = [], []
     for i, counts in enumerate(per_task):
@@ -424,7 +424,7 @@ def test_the_baseline_against_itself_is_exactly_within():
 
 # ------------------------------------------------------------------------------------- atomic writes ---- #
 def test_interrupted_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from tuner import quality
+    from tuner import quality_common as quality
 
     def dump_then_interrupt(obj, f, **kw):
         f.write('{"key": {"partial"')

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from tuner.errors import TunerError
+from tuner.quality_common import BASELINE, SCHEMA, digest, read_cache, results_dir, write_json_atomic
 
 KLD_CTX = 512  # llama.cpp perplexity default context
 LP_FLOOR = 16.0  # reference log-probs below -LP_FLOOR are skipped
@@ -192,23 +193,17 @@ def load_reference(path: Path, chunks: np.ndarray, n_tokens: int) -> Reference |
 # ------------------------------------------------------------------------------------------------ cache ---- #
 def reference_path(model_hash: str, kld_tokens: int, versions: dict[str, str]) -> Path:
     """Where the fp32 reference distributions for KLD live (shared by every format of these weights)."""
-    from tuner.quality import SCHEMA, digest, results_dir
-
     base = {k: versions[k] for k in ("torch", "transformers")}
     key = {"schema": SCHEMA, "model_hash": model_hash, "kld_tokens": kld_tokens, "versions": base}
     return results_dir() / model_hash / f"reference-{digest(key)}.npz"
 
 
 def kld_key(model_hash: str, quant: str, kld_tokens: int, versions: dict[str, str]) -> dict[str, Any]:
-    from tuner.quality import SCHEMA
-
     return {"schema": SCHEMA, "kind": "kld", "model_hash": model_hash, "quant": quant, "kld_tokens": kld_tokens,
             "ctx": KLD_CTX, "versions": versions}
 
 
 def kld_path(key: dict[str, Any]) -> Path:
-    from tuner.quality import digest, results_dir
-
     return results_dir() / key["model_hash"] / f"kld-{key['quant']}-{digest(key)}.json"
 
 
@@ -217,7 +212,6 @@ def ensure_reference(config: Any, model_hash: str, kld_tokens: int, versions: di
     """The fp32 reference distributions on the held text, from the cache or computed (with `model` when given,
     else by loading the fp32 model). Returns (reference, computed_now)."""
     from tuner.models import checkpoint_dir
-    from tuner.quality import BASELINE
     from tuner.quantize import load_model, load_tokenizer
 
     path = reference_path(model_hash, kld_tokens, versions)
@@ -243,7 +237,6 @@ def score_kld(config: Any, model_hash: str, kld_tokens: int, versions: dict[str,
               model: Any = None, tokenizer: Any = None) -> tuple[KLDResult, bool]:
     """KLD of `config`'s model (loaded here unless given) from the fp32 reference, through the cache.
     Returns (result, cached). For the fp32 model itself, a freshly computed reference gives exactly 0."""
-    from tuner.quality import BASELINE, read_cache, write_json_atomic
     from tuner.quantize import load_model
 
     key = kld_key(model_hash, config.quant, kld_tokens, versions)

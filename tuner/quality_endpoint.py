@@ -22,6 +22,7 @@ import numpy as np
 from tuner.config import TrialConfig
 from tuner.errors import TunerError, UnsupportedConfig
 from tuner.kld import LP_STEP, KLDResult
+from tuner.quality_common import BASELINE, assemble_result, library_versions
 from tuner.quality_vllm import TOP_K, endpoint_suite, prompt_topk, served_topk, topk_kld
 from tuner.quality_vllm import screen_kld as screen_kld  # the top-K KLD comes with the scoring, as on vLLM
 
@@ -52,7 +53,6 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
     from tuner.engines.endpoint import EndpointEngine, api_headers
     from tuner.kld import ensure_reference, held_chunks
     from tuner.models import checkpoint_dir, resolve_source, source_hash
-    from tuner.quality import BASELINE, assemble_result, library_versions
     from tuner.quality import score_quality as score_transformers
     from tuner.quantize import load_tokenizer
 

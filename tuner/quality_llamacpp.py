@@ -36,6 +36,18 @@ from typing import Any
 from tuner.config import TrialConfig
 from tuner.errors import TunerError, UnsupportedConfig
 from tuner.kld import KLD_CTX, KLDResult, scored_per_chunk
+from tuner.quality_common import (
+    TaskScore,
+    assemble_result,
+    cache_path,
+    cached_result,
+    digest,
+    package_versions,
+    read_cache,
+    results_dir,
+    store_result,
+    write_json_atomic,
+)
 
 BASELINE_QUANT, BASELINE_KV = "F32", "f32"
 METRIC = "acc_per_token"
@@ -189,8 +201,6 @@ def score_tasks(gguf: Path, kv_type: str, names: tuple[str, ...], limit: int, pr
     import math
     import sys
 
-    from tuner.quality import TaskScore
-
     scores = []
     for name in names:
         tasks = choice_tasks(name, limit)
@@ -238,7 +248,6 @@ def base_logits(model: str, model_hash: str, kld_tokens: int, progress: bool) ->
     import sys
 
     from tuner.engines.llamacpp import COMMIT, quantized_gguf
-    from tuner.quality import digest, results_dir
 
     key = {"kind": "llamacpp-kld-base", "model_hash": model_hash, "kld_tokens": kld_tokens, "ctx": KLD_CTX,
            "commit": COMMIT}
@@ -264,7 +273,6 @@ def base_logits(model: str, model_hash: str, kld_tokens: int, progress: bool) ->
 def score_kld(config: TrialConfig, model_hash: str, kld_tokens: int, progress: bool = True) -> tuple[KLDResult, bool]:
     """KLD of the served GGUF + KV type from the F32/f32 baseline, through the cache. Returns (result, cached)."""
     from tuner.engines.llamacpp import quantized_gguf
-    from tuner.quality import digest, read_cache, results_dir, write_json_atomic
 
     n_tokens = n_chunks(kld_tokens) * scored_per_chunk()
     if is_baseline(config):
@@ -296,7 +304,6 @@ def baseline_config(config: TrialConfig) -> TrialConfig:
 
 def versions() -> dict[str, str]:
     from tuner.engines.llamacpp import COMMIT
-    from tuner.quality import package_versions
 
     return {"llama.cpp": COMMIT, **package_versions(["lm_eval", "datasets"])}
 
@@ -321,7 +328,6 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
     """QualityResult of `config` on llama.cpp (tasks by llama-perplexity, drop vs F32/f32, KLD), through the cache."""
     from tuner.engines.llamacpp import quantized_gguf, source_gguf
     from tuner.models import resolve_source, source_hash
-    from tuner.quality import assemble_result, cache_path, cached_result, store_result
 
     t0 = time.perf_counter()
     check_available(names)

@@ -10,11 +10,20 @@ from typing import Any
 
 from tuner.config import TrialConfig, resolve_device
 from tuner.errors import UnsupportedConfig
+from tuner.quality_common import (
+    BASELINE,
+    assemble_result,
+    cache_key,
+    cache_path,
+    cached_result,
+    library_versions,
+    run_suite,
+    store_result,
+)
 
 
 def check_inputs(config: TrialConfig, names: tuple[str, ...]) -> None:
     """The format and its baseline run on the device (cheap when the device is auto and they run anywhere)."""
-    from tuner.quality import BASELINE
     from tuner.quantize import unsupported_reason
 
     quants = sorted({config.quant, BASELINE})
@@ -37,16 +46,6 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
     """QualityResult of `config` (tasks, drop and KLD vs the fp32 baseline, scored first), through the cache."""
     from tuner.kld import score_kld
     from tuner.models import resolve_source, source_hash
-    from tuner.quality import (
-        BASELINE,
-        assemble_result,
-        cache_key,
-        cache_path,
-        cached_result,
-        library_versions,
-        run_suite,
-        store_result,
-    )
     from tuner.quality import score_quality as score_any
 
     t0 = time.perf_counter()
@@ -83,7 +82,6 @@ def screen_kld(config: TrialConfig, names: tuple[str, ...], limit: int, seed: in
                progress: bool = True) -> tuple[Any, bool, dict[str, str]]:
     """The KLD alone (no lm-eval), through its cache: (KLDResult, cached, versions)."""
     from tuner.kld import score_kld
-    from tuner.quality import library_versions
 
     versions = library_versions(config.quant)
     kld, cached = score_kld(config, model_hash, kld_tokens, versions, progress)

