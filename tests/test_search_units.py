@@ -279,6 +279,16 @@ def test_nothing_feasible_reports_closest():
     assert "recommendation" not in a
     assert a["closest"]["trial"] == 1
     assert a["closest"]["misses"] == {"ttft:p90<300ms": pytest.approx(50 / 300), "SLO shown to hold": 0.1}
+    # printed: the real term's overshoot, and the indicator in words (its 0.1 is no distance from anything)
+    from types import SimpleNamespace
+
+    from tuner.cli.search import format_answer
+    from tuner.targets import SLO, parse_slo
+
+    text = format_answer({"answer": dict(a, n_running=0), "study": "s", "storage": "sqlite:///x", "csv": "c",
+                          "recommendation_path": "r"}, SimpleNamespace(slo=SLO(tuple(parse_slo("ttft:p90<300ms")))))
+    line = next(ln for ln in text.splitlines() if "closest:" in ln)
+    assert line.endswith("ttft:p90<300ms over by 17%; no rate was shown to meet the SLO"), line
 
 
 def test_trials_csv_has_every_trial():

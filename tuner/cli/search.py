@@ -432,7 +432,10 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
                          f"recommended: {n['why']}")
         c = a.get("closest")
         if c:
-            misses = "; ".join(f"{k} over by {v:.0%}" for k, v in c["misses"].items())
+            from tuner.study import SHOWN_TO_HOLD
+
+            misses = "; ".join("no rate was shown to meet the SLO" if k == SHOWN_TO_HOLD else f"{k} over by {v:.0%}"
+                               for k, v in c["misses"].items())
             lines.append(f"  closest: trial {c['trial']}: {_cfg(c['config'])}: {misses}")
     if a.get("strategy") == "predict":
         lines += predict_lines(a)
