@@ -29,7 +29,8 @@ def test_tiny_search_recommends_and_resumes(tmp_path):
     assert "RECOMMENDED: trial" in proc.stdout and "within the SLO" in proc.stdout
     rec = json.loads((tmp_path / "tiny" / "recommendation.json").read_text())
     r = rec["recommendation"]
-    assert r["config"]["model"] == "smollm2-135m" and r["engine"] == "transformers-cb"
+    # the space holds drafts: on a loaded host an ngram draft's trial (transformers-assisted) can measure highest
+    assert r["config"]["model"] == "smollm2-135m" and r["engine"] in ("transformers-cb", "transformers-assisted")
     assert rec["slo"]["bounds"] == ["e2e:p50<60000ms"] and rec["workload"]["input_len"] == [32, 64]
     storage = f"sqlite:///{tmp_path / 'tuner.db'}"
     study = optuna.load_study(study_name="tiny", storage=storage)
