@@ -43,8 +43,8 @@ def main() -> int:
 
     import torch
 
-    from tuner.cli.eval import format_gate
     from tuner.config import TrialConfig
+    from tuner.eval_report import format_gate
     from tuner.evaldata import set_offline
     from tuner.quality import paired_comparison, quality_gate, score_quality
 

@@ -168,6 +168,139 @@ def test_the_child_never_imports_the_command_line(tmp_path):
     assert out.strip() == "[]"
 
 
+# A recorded bench result, trimmed to what the report reads: trial 0000 of a real `tuner search` (smollm2-135m fp32,
+# SLO ttft:p90<5s, on this 2-CPU host while it was busy), floats at 6 digits. Its report is the old bench.log's.
+RECORDED_BENCH = {
+    "config": {"model": MODEL, "quant": "fp32", "batch_cap": 1, "kv_fraction": 0.01, "draft": "none", "device": "cpu",
+               "engine": "transformers", "kv_type": "auto"},
+    "status": "ok", "reason": None,
+    "engine": {"name": "transformers-cb", "device": "cpu", "info": {},
+               "versions": {"transformers": "5.24.0", "torch": "2.13.0+cpu"}},
+    "metrics": {
+        "ttft_ms": {"n": 69, "p50": 536.571, "p90": 2433.02, "p95": 2749.21, "p99": 3499.39, "mean": 991.542,
+                    "ci": {"p50": [316.369, 1120.43], "p99": [2751.99, None]}},
+        "tpot_ms": {"n": 69, "p50": 42.3131, "p90": 45.2982, "p95": 48.0272, "p99": 52.2469, "mean": 42.8754,
+                    "ci": {"p50": [41.5527, 43.0941], "p99": [48.4308, None]}},
+        "itl_ms": {"n": 2422, "p50": 42.0504, "p90": 46.9832, "p95": 49.1994, "p99": 59.6572, "mean": 43.0364,
+                   "ci": {"p50": [41.8933, 42.2143], "p99": [55.5301, 76.1058]}},
+        "e2e_ms": {"n": 69, "p50": 2246.16, "p90": 3934.19, "p95": 4339.6, "p99": 5053.72, "mean": 2502.18,
+                   "ci": {"p50": [1991.03, 2541.08], "p99": [4358.87, None]}},
+        "capacity": {
+            "requests_per_s": 0.338021, "requests_per_s_ci": [0.338021, 0.729491], "output_tokens_per_s": 12.9711,
+            "verdict": "meets", "method": {"looks": 10},
+            "slo": {"bounds": ["ttft:p90<5000ms"], "targets_ms": {}, "attainment": None, "confidence": 0.95},
+            "saturation": {"concurrency": 2, "n": 35, "requests_per_s": 0.450695, "output_tokens_per_s": 17.2136,
+                           "steady": {"completions": 31, "seconds": 68.7827}},
+            "probes": [{"rate_rps": 0.338021, "ramp": 23, "n": 69, "achieved_rps": 0.359295,
+                        "ttft_ms": {"p50": 536.571, "p90": 2433.02, "p99": 3499.39},
+                        "tpot_ms": {"p50": 42.3131, "p90": 45.2982, "p99": 52.2469}, "attainment": None,
+                        "verdict": "meets"}],
+            "cost": {"requests": 138, "probes": 1, "wall_s": 357.646},
+            "canary": {"itl_ms": [42.6003, 42.0005, 41.6433], "drift": -0.0140794,
+                       "at": ["start", "after the saturation probe", "after the 0.338 req/s probe"]},
+            "host": {"cpus": 2, "others_share": 0.340188, "steal_share": 0.000252043, "own_share": 0.35307,
+                     "busiest": {"step": "the warm-up", "others_share": 0.538361, "steal_share": 0.0}},
+            "machine": {"memory_bandwidth_gbs": [22.3789, 52.7508]},
+            "notes": [
+                "0.366 req/s and above not probed: at 81% of the saturation rate the queue needs about 46 arrivals "
+                "to reach its steady state and 138 measured ones to span 3 relaxation times, more than a probe's "
+                "120; a short probe there measures an engine that has not queued yet, or one draw of its queue "
+                "(raise --probe-requests to claim rates closer to saturation)",
+                "the host was busy during the warm-up: other processes took 54% of its 2 CPUs, the hypervisor 0% "
+                "(over the whole measurement 34% and 0%): the capacity is this host's under that load, and a "
+                "re-measure on a quieter host may differ",
+                "not re-measured: 242 s of the capacity budget left, the measurement took 358 s (a longer "
+                "--capacity-timeout re-measures a moved engine)"]},
+        "peak_rss_mb": 1202.38, "roofline": {"bytes_per_token": 538060288, "bandwidth_gbs": None}, "errors": []}}
+
+# A recorded quality result, trimmed likewise: a real gated `tuner eval` of smollm2-135m bf16 (escalated, undecided).
+RECORDED_EVAL = {
+    "config": {"model": MODEL, "quant": "bf16", "batch_cap": 1, "kv_fraction": 0.05, "draft": "none", "device": "cpu",
+               "engine": "transformers", "kv_type": "auto"},
+    "tasks": {"arc_easy": {"acc": 0.375, "acc_stderr": 0.086951, "metric": "acc_norm", "n": 32}},
+    "score": 0.375, "score_stderr": 0.086951, "baseline_score": 0.375,
+    "baseline_tasks": {"arc_easy": {"acc": 0.375, "acc_stderr": 0.086951, "metric": "acc_norm", "n": 32}},
+    "drop_pp": 0.0, "kld_mean": 0.000930623, "kld_mean_stderr": 1.76667e-05, "kld_p99": 0.00368443,
+    "top1_agree": 0.97598, "kld_tokens": 2040, "limit": 32, "seed": 1234, "cached": False,
+    "paired": {"tasks": {"arc_easy": {"drop_pp": 0.0, "ci_pp": [-13.0371, 13.0371], "mcnemar_p": 1.0}},
+               "drop_pp": 0.0, "ci_pp": [-13.0371, 13.0371], "confidence": 0.983333, "items": 32, "discordance": 0.0},
+    "gate": {"verdict": "indeterminate", "drop_pp": 0.0, "drop_ci_pp": [-13.0371, 13.0371], "budget_pp": 1.0,
+             "confidence": 0.95, "looks": 3, "confidence_per_look": 0.983333, "detectable_pp": 13.0371,
+             "limit": 32, "items": 32, "escalated_limits": [16, 32],
+             "warning": "the budget 1 pp is below the 13.04 pp that 32 paired items (--limit 32) can detect at "
+                        "0.983333 confidence (each of 3 looks); about 430 items per task (--limit 430) would",
+             "baseline": "fp32 dequantized from the bundled GGUF (already 4-bit lineage: Q4_1), not the original "
+                         "bf16 checkpoint"}}
+
+# Runs `tuner.child`'s or `tuner`'s main with the measurement replayed: run_bench / evaluate return the recorded
+# result; everything after them (final result, JSON, exit code, report, the log) is the real code.
+REPLAY = """import json, sys
+import tuner.bench, tuner.eval_run
+recorded = open(sys.argv[1]).read()
+tuner.bench.run_bench = lambda config, opts, should_stop=None: json.loads(recorded)
+tuner.eval_run.evaluate = lambda *args, **kwargs: json.loads(recorded)
+if sys.argv[2] == "--job":
+    from tuner.child import child_main
+    sys.exit(child_main(sys.argv[2:]))
+from tuner.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def replayed(tmp_path: Path, recorded: dict, args: list[str], log: Path | None = None) -> str:
+    """`tuner ARGS`' stdout, or (`--job FILE` with a log) what the job child wrote to its log, for the recorded
+    result; the child runs under tuner.child's own process runner, its stdout and stderr into the log."""
+    from tuner.child import child_env, run_process
+
+    (tmp_path / "recorded.json").write_text(json.dumps(recorded))
+    argv = [sys.executable, "-c", REPLAY, str(tmp_path / "recorded.json"), *args]
+    if log is None:
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+    res = run_process(argv, log, 120, child_env(None, None))
+    assert res.returncode == 0, res.reason
+    return log.read_text()
+
+
+def test_a_bench_jobs_log_holds_the_report_tuner_bench_prints(tmp_path):
+    """For the same (recorded) capacity result, the job child's bench.log holds every line `tuner bench` prints:
+    the capacity head, the probe table, the cost, canary, host and bandwidth lines, every note (the host was busy,
+    not re-measured), and the percentile table with each n and 95% interval."""
+    printed = replayed(tmp_path, RECORDED_BENCH, [
+        "bench", "--model", MODEL, "--quant", "fp32", "--batch-cap", "1", "--kv-fraction", "0.01", "--device", "cpu",
+        "--quiet", "--json", str(tmp_path / "cli.json")])
+    job = BenchJob(config=TrialConfig(model=MODEL, quant="fp32", batch_cap=1, kv_fraction=0.01, device="cpu"),
+                   workload=WorkloadSpec(requests=4), out_path=str(tmp_path / "bench.json"))
+    write_job(tmp_path / "bench_job.json", job)
+    log = replayed(tmp_path, RECORDED_BENCH, ["--job", str(tmp_path / "bench_job.json")], tmp_path / "bench.log")
+    for needle in ("capacity: 0.338 req/s [0.338, 0.729] = 13.0 output tok/s, verdict MEETS", "  note: the host was "
+                   "busy during the warm-up", "  note: not re-measured: 242 s", "at the capacity point:",
+                   "ttft_ms       69     536.6    2433.0"):
+        assert needle in printed
+    assert printed.strip() in log
+    assert json.loads((tmp_path / "bench.json").read_text()) == json.loads((tmp_path / "cli.json").read_text())
+
+
+def test_an_eval_jobs_log_holds_the_table_tuner_eval_prints(tmp_path):
+    """For the same (recorded) gated quality result, the job child's quality.log holds every line `tuner eval`
+    prints (the task and suite rows, KLD, the gate's verdict, escalation, warning and baseline), its own wall time
+    last."""
+    args = ["--max-quality-drop", "1", "--max-limit", "32"]
+    printed = replayed(tmp_path, RECORDED_EVAL, ["eval", "--model", MODEL, "--quant", "bf16", "--limit", "16",
+                                                 "--results-dir", str(tmp_path / "res"), *args])
+    job = EvalJob(config=TrialConfig(model=MODEL, quant="bf16", device="cpu"), tasks=("arc_easy",), limit=16,
+                  seed=1234, out_path=str(tmp_path / "quality.json"), max_quality_drop=1.0, max_limit=32,
+                  results_dir=str(tmp_path / "res"))
+    write_job(tmp_path / "eval_job.json", job)
+    log = replayed(tmp_path, RECORDED_EVAL, ["--job", str(tmp_path / "eval_job.json")], tmp_path / "quality.log")
+    table, wall = printed.strip().rsplit("\n", 1)
+    assert wall.startswith("wall ") and "gate: INDETERMINATE  drop +0.0 pp [-13.0, +13.0]" in table
+    assert "  escalated: --limit 16 -> 32" in table and "arc_easy        acc_norm        0.3750" in table
+    assert table in log
+    assert log.strip().splitlines()[-1].startswith("wall ")
+
+
 # ------------------------------------------------------------------------------------------ model tier --- #
 def test_a_bench_job_gives_the_result_tuner_bench_gives_for_the_same_settings(tmp_path):
     """The same fixed-load bench on smollm2-135m, once as `tuner bench` and once as a job in `tuner.child`: the same
@@ -195,4 +328,9 @@ def test_a_bench_job_gives_the_result_tuner_bench_gives_for_the_same_settings(tm
     assert a["metrics"]["total_output_tokens"] == b["metrics"]["total_output_tokens"]
     keep = ("index", "prompt_tokens", "output_tokens")
     assert [{k: r.get(k) for k in keep} for r in a["requests"]] == [{k: r.get(k) for k in keep} for r in b["requests"]]
-    assert "bench: status ok" in (tmp_path / "bench.log").read_text()
+    from tuner.bench_report import format_report  # what `tuner bench` prints with
+
+    report = format_report(b)  # the job's own result, as `tuner bench` reports it: in its log, whole
+    assert report in (tmp_path / "bench.log").read_text()
+    assert [ln.split()[0] for ln in report.splitlines()] == [ln.split()[0] for ln in proc.stdout.strip().splitlines()]
+    assert "metric         n       p50" in report and "ttft_ms        4" in report

@@ -1,6 +1,7 @@
 """One bench run's steps that `tuner bench` and a bench job (`python -m tuner.child --job FILE`) share: the
 model sources checked before anything loads, the result made final (an unsupported configuration is the user's
-error; the token ids stay in the process), its exit code; and a whole bench job run."""
+error; the token ids stay in the process), its exit code; and a whole bench job run, which prints
+`tuner bench`'s report (tuner.bench_report) into its log."""
 
 from __future__ import annotations
 
@@ -40,23 +41,13 @@ def exit_code(result: dict[str, Any]) -> int:
     return EXIT_CODES.get(result["status"], 1)
 
 
-def summary(result: dict[str, Any]) -> str:
-    """One line for a child's log: the status (and reason), and the capacity when one was measured."""
-    line = f"bench: status {result['status']}" + (f": {result['reason']}" if result.get("reason") else "")
-    cap = (result.get("metrics") or {}).get("capacity") or {}
-    if cap.get("requests_per_s") is not None:
-        lo, hi = cap.get("requests_per_s_ci") or (None, None)
-        line += (f"; capacity {cap['requests_per_s']:.3f} req/s"
-                 + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else "")
-                 + f", verdict {cap.get('verdict')}")
-    return line
-
-
 def run_bench_job(job: Any) -> int:
-    """A `tuner.job.BenchJob`: measure, write its result JSON (atomically) to `job.out_path`; the exit code."""
+    """A `tuner.job.BenchJob`: measure, write its result JSON (atomically) to `job.out_path`, and print the report
+    `tuner bench` prints for it (the child's stdout is the trial's bench.log); the exit code."""
     from transformers.utils import logging as hf_logging
 
     from tuner.bench import BenchOptions, run_bench
+    from tuner.bench_report import format_report
     from tuner.files import write_json_atomic
 
     check_sources(job.config)
@@ -65,6 +56,6 @@ def run_bench_job(job: Any) -> int:
                         measure_bandwidth=job.measure_bandwidth, progress=False, capacity=job.capacity,
                         log_path=Path(job.server_log) if job.server_log else None)
     result = final_result(run_bench(job.config, opts))
-    print(summary(result), flush=True)
-    write_json_atomic(Path(job.out_path), result)
+    write_json_atomic(Path(job.out_path), result)  # first: the result is the trial's data, the report its reading
+    print(format_report(result), flush=True)
     return exit_code(result)

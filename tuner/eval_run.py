@@ -1,6 +1,6 @@
 """One quality run's steps that `tuner eval` and an eval job (`python -m tuner.child --job FILE`) share: the
 gate's settings checked before anything runs, the scoring (gated on a budget, or plain with its paired
-comparison); and a whole eval job run."""
+comparison); and a whole eval job run, which prints `tuner eval`'s table (tuner.eval_report) into its log."""
 
 from __future__ import annotations
 
@@ -42,19 +42,10 @@ def evaluate(config: TrialConfig, tasks: Any, limit: int, seed: int, *, max_qual
                          confidence=confidence, max_kld=max_kld, kld_tokens=kld_tokens).to_dict()
 
 
-def summary(res: dict[str, Any]) -> str:
-    """One line for a child's log: the score, the drop and the gate's verdict."""
-    gate = res.get("gate") or {}
-    parts = [f"eval: score {res['score']:.4f}" if res.get("score") is not None else "eval: no score"]
-    if res.get("drop_pp") is not None:
-        parts.append(f"drop {res['drop_pp']:+.1f} pp")
-    if gate.get("verdict"):
-        parts.append(f"gate {gate['verdict']}")
-    return ", ".join(parts)
-
-
 def run_eval_job(job: Any) -> int:
-    """A `tuner.job.EvalJob`: score, write its result JSON (atomically) to `job.out_path`; the exit code."""
+    """A `tuner.job.EvalJob`: score, write its result JSON (atomically) to `job.out_path`, and print the table
+    `tuner eval` prints for it (the child's stdout is the trial's quality.log); the exit code."""
+    from tuner.eval_report import format_table
     from tuner.evaldata import set_offline
     from tuner.files import write_json_atomic
 
@@ -67,6 +58,6 @@ def run_eval_job(job: Any) -> int:
                    max_limit=job.max_limit, confidence=job.confidence, max_kld=job.max_kld,
                    kld_tokens=job.kld_tokens)
     res["wall_s"] = time.perf_counter() - t0
-    print(summary(res), flush=True)
-    write_json_atomic(Path(job.out_path), res)
+    write_json_atomic(Path(job.out_path), res)  # first: the result is the trial's data, the table its reading
+    print(format_table(res), flush=True)
     return 0
