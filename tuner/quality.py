@@ -275,7 +275,7 @@ def _gate(result: QualityResult, p: PairedComparison, max_drop_pp: float, confid
         warning = (f"the budget {max_drop_pp:g} pp is below the {p.half_width_pp:.2f} pp that {p.items} paired items "
                    f"(--limit {result.limit}) can detect at {at}; ")
         warning += ("no item count can show a 0 pp budget (only a candidate shown to be better passes it)"
-                    if need is None else f"about {need} items per task (--limit {need}) would")
+                    if need is None else f"about {need} items per task (--limit {need}) would detect it")
     return {"verdict": verdict, "drop_pp": p.drop_pp, "drop_ci_pp": [lo, hi], "budget_pp": float(max_drop_pp),
             "confidence": confidence, "looks": looks, "alpha_per_look": (1.0 - confidence) / looks,
             "confidence_per_look": p.confidence, "detectable_pp": p.half_width_pp, "items_needed": need,
