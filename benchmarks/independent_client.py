@@ -160,7 +160,14 @@ def nearest_rank(sorted_xs: list[float], p: float) -> float:
 
 
 def binom_cdf(k: int, n: int, q: float) -> float:
-    return sum(math.comb(n, i) * q**i * (1 - q) ** (n - i) for i in range(k + 1))
+    """P(Bin(n, q) <= k), each term in log space (math.comb(n, i) overflows a float past n ~ 1000)."""
+    if k < 0:
+        return 0.0
+    if q <= 0 or q >= 1:
+        return 1.0 if q <= 0 or k >= n else 0.0
+    lq, l1q, lgn = math.log(q), math.log1p(-q), math.lgamma(n + 1)
+    return min(1.0, sum(math.exp(lgn - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lq + (n - i) * l1q)
+                        for i in range(min(k, n) + 1)))
 
 
 def percentile_interval(sorted_xs: list[float], p: float, conf: float = 0.95) -> tuple[float | None, float | None]:
