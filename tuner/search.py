@@ -616,7 +616,7 @@ def past_deadline(trials: list[Any], me: str, since: Any, confirm: int, left_s: 
     mine = [t for t in trials if t.user_attrs.get("worker") == me and t.datetime_start and t.datetime_complete
             and t.datetime_start >= since]
     trial_s = max(((t.datetime_complete - t.datetime_start).total_seconds() for t in mine), default=0.0)
-    confirm_s = confirm * max((float(t.user_attrs.get("child_wall_s") or 0.0) for t in mine), default=0.0)
+    confirm_s = confirm * remeasure_s(mine, me, since)
     if left_s > trial_s + confirm_s:
         return None
     what = f"the longest trial took {trial_s:.0f} s" + (f", re-measuring the pick ~{confirm_s:.0f} s" if confirm_s
