@@ -3,8 +3,8 @@
 Reads an Optuna storage written by `tuner search` (default sqlite:///results/tuner.db, or $TUNER_STORAGE) and shows
 a study's Pareto view (capacity vs quality), the latency-load curves of chosen trials, its trials, one trial in
 detail, why the recommendation was made, and the selected trial's serving configs. While a search runs, the page
-reloads when trials start or finish. Layout only: the data shaping lives in tuner/dashboard.py and, for capacity
-(curves, capacity summaries), tuner/dashboard_curves.py.
+reloads when trials start or finish. Layout only: the data shaping lives in tuner/dashboard/data.py and, for capacity
+(curves, capacity summaries), tuner/dashboard/curves.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import streamlit as st
 
-from tuner import dashboard as dash
-from tuner import dashboard_curves as curves
+from tuner.dashboard import curves
+from tuner.dashboard import data as dash
 
 st.set_page_config(page_title="tuner dashboard", layout="wide")  # no page_icon: a material one is fetched online
 
@@ -249,7 +249,7 @@ def curves_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | Non
 
 
 def trials_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | None, study: str) -> None:
-    from tuner.study import trials_csv
+    from tuner.search.answer import trials_csv
 
     rows = dash.table_rows(views, info, rec)
     formats = sorted({r["quant"] for r in rows if r["quant"]})

@@ -1,4 +1,4 @@
-"""How often does the capacity measurement take itself again? `tuner.capacity.measure_capacity` (the real search
+"""How often does the capacity measurement take itself again? `tuner.measure.capacity.measure_capacity` (the real search
 and its canary rule: a move of the engine's speed past max(10%, 3 x the canaries' own robust spread) re-measures)
 run many times on a simulated engine (tuner.predict.simulate, virtual time, lognormal step noise):
 
@@ -23,11 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tuner.capacity import CapacityOptions, measure_capacity  # noqa: E402
+from tuner.measure.capacity import CapacityOptions, measure_capacity  # noqa: E402
+from tuner.measure.workload import Request  # noqa: E402
 from tuner.predict.estimate import scaled  # noqa: E402
 from tuner.predict.simulate import SimulatedEngine, StepModel  # noqa: E402
-from tuner.targets import SLO, parse_slo  # noqa: E402
-from tuner.workload import Request  # noqa: E402
+from tuner.slo import SLO, parse_slo  # noqa: E402
 
 CAP = 4
 

@@ -45,7 +45,7 @@ def machine_gflops() -> float:
 
 def measure(cfg: tuple, args: argparse.Namespace) -> dict:
     gflops = machine_gflops()
-    from tuner.bench import memory_bandwidth  # the probe tuner bench runs around each CPU measurement
+    from tuner.measure.bench import memory_bandwidth  # the probe tuner bench runs around each CPU measurement
 
     bw_before = memory_bandwidth()
     quant, cap, kv, draft = cfg
@@ -116,7 +116,7 @@ def show(r: dict) -> str:
 def remeasured(r: dict) -> str:
     """The run measured twice (its canary moved or its host was busy past 10% in the first): both figures, under
     which conditions, which one it reported."""
-    from tuner.capacity import describe_conditions
+    from tuner.measure.capacity import describe_conditions
 
     again = r.get("remeasured")
     if not again:
@@ -126,7 +126,7 @@ def remeasured(r: dict) -> str:
 
 
 def host(r: dict) -> str:
-    from tuner.host import busy_share
+    from tuner.measure.host import busy_share
 
     h = r.get("host") or {}
     if not h.get("busiest"):
@@ -143,9 +143,9 @@ def canary(r: dict) -> str:
 
 
 def steady(r: dict) -> bool:
-    """The run's conditions held: its engine canary within tuner.capacity.DRIFT_NOTE and its host not busy (no
-    note of a moved engine or a busy host, tuner.capacity.disturbed)."""
-    from tuner.capacity import disturbed
+    """The run's conditions held: its engine canary within tuner.measure.capacity.DRIFT_NOTE and its host not busy (no
+    note of a moved engine or a busy host, tuner.measure.capacity.disturbed)."""
+    from tuner.measure.capacity import disturbed
 
     return r.get("canary", {}).get("drift") is not None and disturbed(r) is None
 

@@ -1,4 +1,4 @@
-"""Do the capacity's intervals hold? The real capacity search (tuner.capacity.CapacitySearch) run hundreds of times
+"""Do the capacity's intervals hold? The real capacity search (tuner.measure.capacity.CapacitySearch) run hundreds of times
 on a simulated engine (tuner.predict.simulate: continuous batching in virtual time, lognormal step-time noise)
 whose true capacity is known from long sustained simulations: how often is the reported lower end above the truth
 (goal <= 5% at 95%), how often does a probe say "meets" at a rate where the sustained SLO fails, and how far below
@@ -7,7 +7,7 @@ the truth is the figure (the cost of being right).
     .venv/bin/python benchmarks/bench_capacity_coverage.py --runs 200
     .venv/bin/python benchmarks/bench_capacity_coverage.py --runs 200 --rev 557ab37   # the search as it was then
 
-`--rev` loads tuner/capacity.py from that git revision into a module of its own (the rest of tuner as it is now)
+`--rev` loads tuner/measure/capacity.py from that git revision into a module of its own (the rest of tuner as it is now)
 and runs the same scenarios through it: the same engines, seeds and truth, side by side. Every figure printed is
 from the simulation (a model of an engine: measured nowhere), the truth included.
 """
@@ -30,9 +30,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tuner.measure.workload import Request, with_arrivals  # noqa: E402
 from tuner.predict.simulate import SimulatedEngine, StepModel  # noqa: E402
-from tuner.targets import SLO, parse_slo  # noqa: E402
-from tuner.workload import Request, with_arrivals  # noqa: E402
+from tuner.slo import SLO, parse_slo  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -102,10 +102,10 @@ def saturation(scenario: Scenario) -> float:
 
 def load_capacity_module(rev: str | None) -> Any:
     if rev is None:
-        import tuner.capacity
+        import tuner.measure.capacity
 
-        return tuner.capacity
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:tuner/capacity.py"], check=True,
+        return tuner.measure.capacity
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:tuner/measure/capacity.py"], check=True,
                          capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / f"capacity_{rev}.py"
     path.write_text(src)
@@ -127,10 +127,10 @@ def one_search(cap_mod: Any, scenario: Scenario, seed: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=200, help="simulated capacity searches per scenario")
-    ap.add_argument("--rev", help="git revision whose tuner/capacity.py to run instead of the working tree's")
+    ap.add_argument("--rev", help="git revision whose tuner/measure/capacity.py to run instead of the working tree's")
     args = ap.parse_args()
     cap_mod = load_capacity_module(args.rev)
-    print(f"capacity search: {'tuner/capacity.py at ' + args.rev if args.rev else 'working tree'}; "
+    print(f"capacity search: {'tuner/measure/capacity.py at ' + args.rev if args.rev else 'working tree'}; "
           f"every figure simulated (virtual time), none measured")
     for sc in SCENARIOS:
         t0 = time.perf_counter()

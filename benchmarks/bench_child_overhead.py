@@ -28,14 +28,14 @@ from pathlib import Path
 MODEL = "smollm2-135m"
 KNOBS = {"quant": "bf16", "batch_cap": 2, "kv_fraction": 0.01, "draft": "none"}
 WORKLOAD = {"requests": 2, "rate": 8.0, "input_len": (16, 32), "output_len": (4, 6), "seed": 0}
-IMPORTS = "import torch, transformers, tuner.bench, tuner.quantize, tuner.loadgen, tuner.engines.transformers_cb"
+IMPORTS = "import torch, transformers, tuner.measure.bench, tuner.quantize, tuner.measure.loadgen, tuner.engines.transformers_cb"
 
 
 def child_round(tmp: Path, i: int) -> dict:
     from tuner.child import run_child
     from tuner.config import TrialConfig
     from tuner.job import BenchJob, write_job
-    from tuner.workload import WorkloadSpec
+    from tuner.measure.workload import WorkloadSpec
 
     out = tmp / f"bench{i}.json"
     job = tmp / f"bench_job{i}.json"
@@ -49,9 +49,9 @@ def child_round(tmp: Path, i: int) -> dict:
 
 
 def inprocess_round() -> dict:
-    from tuner.bench import BenchOptions, run_bench
     from tuner.config import TrialConfig
-    from tuner.workload import WorkloadSpec
+    from tuner.measure.bench import BenchOptions, run_bench
+    from tuner.measure.workload import WorkloadSpec
 
     opts = BenchOptions(workload=WorkloadSpec(**WORKLOAD), measure_bandwidth=False, progress=False)
     t = time.perf_counter()

@@ -52,9 +52,9 @@ def measure_capacity(bench_args: list[str], out: Path) -> dict:
 
 def write_prompts(bench: dict, n: int, path: Path) -> None:
     """`n` requests from tuner's workload at the bench's length ranges and seed: token ids and output lengths."""
+    from tuner.measure.workload import WorkloadSpec, build_workload
     from tuner.models import checkpoint_dir
     from tuner.quantize import load_tokenizer
-    from tuner.workload import WorkloadSpec, build_workload
 
     w = bench["workload"]
     spec = WorkloadSpec(requests=n, rate=1.0, input_len=tuple(w["input_len"]), output_len=tuple(w["output_len"]),

@@ -2,7 +2,7 @@
 invocation (a real llama-server per run, launched with the exported argv).
 
 (a) roofline: batch-1 decode of each weight type (one request at a time, fixed output length) vs the memory-
-    bandwidth bound measured in the same run (tuner.roofline: a streaming read; bytes per token = the GGUF file's
+    bandwidth bound measured in the same run (tuner.measure.roofline: a streaming read; bytes per token = the GGUF file's
     size). Goal: best type >= 60% of the bound.
 (b) harness check: the client's TTFT minus the server's own prompt time, and the client's TPOT minus the server's
     time per token (llama.cpp `timings`), medians over the same batch-1 runs. Goal: TTFT gap median < 1 ms.

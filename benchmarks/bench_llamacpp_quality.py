@@ -1,4 +1,4 @@
-"""Quality of what llama.cpp serves (tuner.quality_llamacpp, llama-perplexity on the exact GGUF + KV type), in one run:
+"""Quality of what llama.cpp serves (tuner.quality.llamacpp, llama-perplexity on the exact GGUF + KV type), in one run:
 
 (a) cross-check: the F32 GGUF scored by llama-perplexity vs the transformers fp32 model of the same weights scored by
     an independent implementation of llama.cpp's rule (mean log-prob per token after the shared prefix; the scorer of
@@ -28,8 +28,8 @@ LADDER = [("F16", "auto"), ("Q8_0", "auto"), ("Q6_K", "auto"), ("Q4_K_M", "auto"
 def crosscheck(task: str, limit: int) -> None:
     from tests.test_llamacpp_quality import token_mean_choice
     from tuner.config import TrialConfig
-    from tuner.quality import score_quality
-    from tuner.quality_llamacpp import choice_tasks
+    from tuner.quality.gate import score_quality
+    from tuner.quality.llamacpp import choice_tasks
     from tuner.quantize import load_model
 
     res = score_quality(TrialConfig(model=MODEL, engine="llamacpp", quant="F32", kv_type="f32"), (task,), limit,
@@ -50,7 +50,7 @@ def crosscheck(task: str, limit: int) -> None:
 def ladder(tasks: tuple[str, ...], limit: int, budget: float, kld_tokens: int) -> None:
     from tuner.config import TrialConfig
     from tuner.engines.llamacpp import quantized_gguf
-    from tuner.quality import gated_quality
+    from tuner.quality.gate import gated_quality
 
     print(f"  {'weights':<8}{'KV':<6}{'MB':>7}{'KLD mean':>11}{'top-1':>8}{'drop pp':>9}{'[lower, upper]':>18}  verdict",
           flush=True)

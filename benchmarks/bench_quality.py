@@ -44,9 +44,9 @@ def main() -> int:
     import torch
 
     from tuner.config import TrialConfig
-    from tuner.eval_report import format_gate
-    from tuner.evaldata import set_offline
-    from tuner.quality import paired_comparison, quality_gate, score_quality
+    from tuner.quality.evaldata import set_offline
+    from tuner.quality.gate import paired_comparison, quality_gate, score_quality
+    from tuner.quality.report import format_gate
 
     set_offline()
     config = TrialConfig(model=args.model, quant=args.quant, device=args.device)

@@ -1,10 +1,10 @@
 """Search-efficiency benchmark for `tuner search` on smollm2-135m, on the capacity objective.
 
-  grid    measure every config of a small space for real, once: its capacity within the SLO (tuner.capacity, in a
+  grid    measure every config of a small space for real, once: its capacity within the SLO (tuner.measure.capacity, in a
           fresh process per config) and its format's quality gate (tuner eval, cached per format). JSON, resumable.
-  replay  replay the real search on the recorded surface -- the search's own sampler (tuner.search.make_sampler),
-          directions, space handling (tuner.space.suggest_config, conditional knobs), quality pruning and
-          normalised constraints (tuner.objective.apply_quality / apply_capacity) -- against random search at equal
+  replay  replay the real search on the recorded surface -- the search's own sampler (tuner.search.loop.make_sampler),
+          directions, space handling (tuner.search.space.suggest_config, conditional knobs), quality pruning and
+          normalised constraints (tuner.search.objective.apply_quality / apply_capacity) -- against random search at equal
           budget, for 10 seeds: trials to reach 95% of the grid's best feasible capacity.
 
 Usage:
@@ -12,7 +12,7 @@ Usage:
   .venv/bin/python benchmarks/bench_search.py replay [--grid results/bench/capacity-grid.json]
   (default grid: benchmarks/data/capacity-grid-smollm2-cpu.json, measured here with the defaults above, ~45 min)
 Goal: median trials <= 20% of the grid, and better than random in >= 8 of 10 seeds. Also printed: TPE alone (no
-start-up sweep, no no-repeat rule: tuner.search.enqueue_start, no_repeat_tpe). `replay --mirror-caps` replays on
+start-up sweep, no no-repeat rule: tuner.search.loop.enqueue_start, no_repeat_tpe). `replay --mirror-caps` replays on
 the grid with its batch caps reversed, where the start-up sweep's prior (capacity grows with the cap) is wrong.
 """
 
@@ -111,10 +111,10 @@ def quality_of(quant: str, args: argparse.Namespace) -> dict:
 
 # ---------------------------------------------------------------------------------------------- replay --- #
 def search_context(data: dict, space_path: Path):
-    from tuner.objective import SearchContext
-    from tuner.space import load_space
-    from tuner.targets import build_slo
-    from tuner.workload import WorkloadSpec
+    from tuner.measure.workload import WorkloadSpec
+    from tuner.search.objective import SearchContext
+    from tuner.search.space import load_space
+    from tuner.slo import build_slo
 
     _, slo = build_slo(None, "ttft:p99", data["slo"])
     return SearchContext(model=MODEL, device="cpu", space=load_space(space_path), primary=None, slo=slo,
@@ -129,9 +129,9 @@ def replay_search(data: dict, ctx, seed: int, budget: int, no_repeat: bool = Tru
 
     import optuna
 
-    from tuner.objective import TrialFailed, apply_capacity, apply_quality
-    from tuner.search import DIRECTIONS, enqueue_start, make_sampler
-    from tuner.space import suggest_config
+    from tuner.search.loop import DIRECTIONS, enqueue_start, make_sampler
+    from tuner.search.objective import TrialFailed, apply_capacity, apply_quality
+    from tuner.search.space import suggest_config
 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -159,7 +159,7 @@ def replay_search(data: dict, ctx, seed: int, budget: int, no_repeat: bool = Tru
 
 def feasible_capacity(r: dict, data: dict, ctx) -> float:
     """The capacity of a config if the search would call it feasible (same constraint functions), else 0."""
-    from tuner.objective import quality_constraint, slo_constraints
+    from tuner.search.objective import quality_constraint, slo_constraints
 
     if r["status"] != "ok" or not r.get("capacity"):
         return 0.0

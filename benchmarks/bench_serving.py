@@ -14,10 +14,10 @@ import json
 import statistics
 import sys
 
-from tuner.bench import BenchOptions, run_bench
 from tuner.config import TrialConfig
-from tuner.roofline import measure_bandwidth_gbs
-from tuner.workload import WorkloadSpec
+from tuner.measure.bench import BenchOptions, run_bench
+from tuner.measure.roofline import measure_bandwidth_gbs
+from tuner.measure.workload import WorkloadSpec
 
 MODEL = "smollm2-135m"
 FORMATS = "fp32,bf16,bnb-int8,bnb-nf4,bnb-fp4,torchao-int8wo,gptq-int4"

@@ -70,9 +70,9 @@ def median_ci(xs: list[float]) -> tuple[float, float, float]:
 def main() -> int:
     from tuner.config import TrialConfig
     from tuner.engines.vllm import VllmEngine
+    from tuner.measure.workload import WorkloadSpec, build_workload
     from tuner.models import checkpoint_dir
     from tuner.quantize import load_tokenizer
-    from tuner.workload import WorkloadSpec, build_workload
 
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=60)

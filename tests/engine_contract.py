@@ -1,6 +1,6 @@
 """The engine contract every engine passes (Optuna's `StorageTestCase` pattern): a subclass says how to build a
 started engine for a batch cap, and inherits every test. Real engines, real small model, driven by the real load
-generator (tuner.loadgen.run_load) -- nothing here is faked.
+generator (tuner.measure.loadgen.run_load) -- nothing here is faked.
 
 Subclasses set `name` and implement `make_engine(batch_cap) -> Engine` (not started) and `tokenizer()`.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tuner.loadgen import run_load
-from tuner.workload import WorkloadSpec, build_workload, with_arrivals
+from tuner.measure.loadgen import run_load
+from tuner.measure.workload import WorkloadSpec, build_workload, with_arrivals
 
 
 class Sink:

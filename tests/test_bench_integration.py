@@ -7,9 +7,9 @@ import json
 import pytest
 
 from tests.conftest import assert_one_line_error, run_tuner
-from tuner.bench import BenchOptions, run_bench
 from tuner.config import TrialConfig
-from tuner.workload import WorkloadSpec
+from tuner.measure.bench import BenchOptions, run_bench
+from tuner.measure.workload import WorkloadSpec
 
 MODEL = "smollm2-135m"
 
@@ -218,7 +218,7 @@ def test_kv_fraction_maps_monotonically_to_kv_blocks():
 
 PEAK_SCRIPT = r"""
 import subprocess, sys, time
-from tuner.bench import PeakMemory
+from tuner.measure.bench import PeakMemory
 
 class Engine:  # stands in for a server engine: only its process list is read
     def server_pids(self):

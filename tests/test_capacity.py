@@ -7,12 +7,12 @@ import os
 import pytest
 
 from tests.fake_engine import FakeEngine
-from tuner.capacity import CapacityOptions, CapacitySearch, certain_miss, judge
-from tuner.loadgen import run_load
-from tuner.metrics import RequestResult
+from tuner.measure.capacity import CapacityOptions, CapacitySearch, certain_miss, judge
+from tuner.measure.loadgen import run_load
+from tuner.measure.metrics import RequestResult
+from tuner.measure.workload import Request
+from tuner.slo import SLO, build_slo, parse_slo
 from tuner.stats import min_samples_to_meet
-from tuner.targets import SLO, build_slo, parse_slo
-from tuner.workload import Request
 
 
 def pool(n, max_tokens=8):
@@ -168,7 +168,7 @@ def test_an_engine_that_moved_under_the_measurement_is_measured_again():
     first measurement (its last canary), then leaves. The first measurement's canary moved ~50%; the budget holds
     a second one, on fresh prompts, whose engine held steady: it is the figure reported, near the engine's real
     service rate and above the first's. A steady engine is measured once; a budget too short for a second says so."""
-    from tuner.capacity import measure_capacity
+    from tuner.measure.capacity import measure_capacity
 
     mu = 2 / (0.02 + 7 * 0.01)  # the steady engine's service rate (test_finds_a_known_service_rate_within_tolerance)
     slo = SLO(tuple(parse_slo("e2e:p90<200ms")))
@@ -214,8 +214,8 @@ def test_a_neighbour_present_throughout_the_measurement_is_seen_and_measured_aga
     accounting does: the first measurement says the host was busy, a second one is measured and reported, its host
     quiet."""
     from tests.neighbour import neighbour, spinners
-    from tuner.capacity import measure_capacity
-    from tuner.host import HOST_BUSY, busy_share
+    from tuner.measure.capacity import measure_capacity
+    from tuner.measure.host import HOST_BUSY, busy_share
 
     slo = SLO(tuple(parse_slo("e2e:p90<200ms")))
     engine = FakeEngine(servers=2, prefill_s=0.02, token_s=0.01)
@@ -243,7 +243,7 @@ def test_a_slow_engine_leaves_budget_for_the_rate_probes():
     least) would take most of the budget and leave no rate probe (fp32 at cap 1 in `make demo`); the saturation probe
     stops with 8 or more once the first probe (and the canaries after each step) would no longer fit after it, and
     that probe runs."""
-    from tuner.capacity import MIN_STEADY
+    from tuner.measure.capacity import MIN_STEADY
 
     cap = search(FakeEngine(servers=1, prefill_s=0.05, token_s=0.02), SLO(tuple(parse_slo("e2e:p50<2s"))),
                  max_wall_s=12.0, probe_requests=(10, 10))

@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from tuner.capacity import CapacityOptions, CapacitySearch, engine_drift, judge, unsteady
-from tuner.metrics import RequestResult
+from tuner.measure.capacity import CapacityOptions, CapacitySearch, engine_drift, judge, unsteady
+from tuner.measure.metrics import RequestResult
+from tuner.measure.workload import Request, with_arrivals
 from tuner.predict.simulate import SimulatedEngine, StepModel
+from tuner.slo import SLO, parse_slo
 from tuner.stats import bound_verdict, effective_n
-from tuner.targets import SLO, parse_slo
-from tuner.workload import Request, with_arrivals
 
 # ~llama-server -np 4 serving SmolLM2-135M on 2 cores: ~2.5 req/s at 24:48 output tokens (issue 24's case)
 MODEL = StepModel(decode_base_s=0.020, decode_per_seq_s=0.005, prefill_base_s=0.005, prefill_per_token_s=0.0004,

@@ -82,7 +82,7 @@ def test_import_tuner_is_light():
     import subprocess
     import sys
 
-    code = "import sys, tuner, tuner.config, tuner.workload, tuner.metrics, tuner.cli; " \
+    code = "import sys, tuner, tuner.config, tuner.measure.workload, tuner.measure.metrics, tuner.cli; " \
            "print(sorted(m for m in ('torch', 'transformers', 'optuna', 'lm_eval') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,4 +1,4 @@
-"""The dashboard: the pure data shaping (tuner/dashboard.py, tuner/dashboard_curves.py), `tuner dashboard`'s input
+"""The dashboard: the pure data shaping (tuner/dashboard/data.py, tuner/dashboard/curves.py), `tuner dashboard`'s input
 checks, and the real app (app.py served by Streamlit) in a real headless Chromium driven by Playwright, on a study
 written by a real `tuner search` (measured by capacity: latency-load curves), on in-memory studies shaped like it,
 and on one from before the capacity measure. Screenshots go to results/dashboard/ for a person to look at.
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, assert_one_line_error, run_tuner
-from tuner import dashboard as dash
-from tuner import dashboard_curves as curves
+from tuner.dashboard import curves
+from tuner.dashboard import data as dash
 from tuner.errors import TunerError
 
 CHROMIUM = "/usr/bin/chromium"
@@ -37,7 +37,7 @@ LOAD_S = 120  # first page load imports optuna, plotly, transformers' config... 
 
 # ============================================================================== pure functions (in-memory) === #
 def _pct(v: float, n: int = 40, open_high: bool = False) -> dict:
-    """A percentile object as tuner.metrics writes it: p90 = v, its CI (the upper side None when `open_high`)."""
+    """A percentile object as tuner.measure.metrics writes it: p90 = v, its CI (the upper side None when `open_high`)."""
     ci = {s: [v * f * 0.8, None if open_high and s in ("p95", "p99") else v * f * 1.25]
           for s, f in (("p50", 0.5), ("p90", 1.0), ("p95", 1.1), ("p99", 1.3))}
     if open_high:
@@ -55,7 +55,7 @@ SLO = {"bounds": ["ttft:p90<3000ms"], "targets_ms": {}, "attainment": None, "con
 
 
 def _capacity(cap: float, ttft: float, tok: float) -> dict:
-    """A capacity measurement as tuner.capacity writes it: probes at half, the capacity and 1.5x (the last one
+    """A capacity measurement as tuner.measure.capacity writes it: probes at half, the capacity and 1.5x (the last one
     misses, with an open CI side), capacity = the highest meeting rate, its CI up to the first missing rate."""
     probes = [_probe(cap * 0.5, ttft * 0.4, tok * 0.5, "meets"), _probe(cap, ttft, tok, "meets"),
               _probe(cap * 1.5, ttft * 2.5, tok * 1.1, "misses", open_high=True)]
@@ -442,7 +442,7 @@ def test_detail_latencies_quality_tasks(mixed):
 
 
 def test_why_reuses_the_search_answer(mixed):
-    from tuner.study import answer, rows_from_study
+    from tuner.search.answer import answer, rows_from_study
 
     study, info, views = mixed
     w = dash.why(views, info)
@@ -903,7 +903,7 @@ def test_dashboard_in_a_real_browser(searched, page, tmp_path):
 
         tab(page, "Why this one")
         page.get_by_text("Parameter importance (fANOVA)").wait_for()
-        if by_capacity and exp["recommended"] is not None:  # the answer, recomputed by tuner.study.answer
+        if by_capacity and exp["recommended"] is not None:  # the answer, recomputed by tuner.search.answer.answer
             page.get_by_text("Binding constraint:", exact=False).wait_for()
             assert page.get_by_text("gain over baseline").count() >= 1
             assert page.get_by_text("capacity (req/s)").count() >= 1

@@ -79,11 +79,11 @@ def test_fixed_load_on_an_endpoint_serves_the_asked_lengths(llama_server, tmp_pa
                      "--json", str(out), *SMALL, env={"TUNER_API_KEY": KEY})
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
+    from tuner.measure.workload import WorkloadSpec, build_workload
     from tuner.models import checkpoint_dir
     from tuner.quantize import load_tokenizer
-    from tuner.workload import WorkloadSpec, build_workload
 
-    # the bench's prompts: the first 6 of a pool of 6 + 2 warm-up requests (tuner.bench)
+    # the bench's prompts: the first 6 of a pool of 6 + 2 warm-up requests (tuner.measure.bench)
     pool = build_workload(WorkloadSpec(requests=8, rate=None, concurrency=2, input_len=(16, 32), output_len=(8, 12)),
                           load_tokenizer(checkpoint_dir(MODEL)))
     asked = [q.max_tokens for q in pool[:6]]

@@ -24,7 +24,7 @@ def test_importing_the_registry_and_config_imports_no_engine_and_nothing_heavy()
     code = ("import sys, json, tuner.config, tuner.engines.registry as r; "
             "r.backend('vllm'); r.ENGINES['llamacpp'].space_file('cpu'); "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-            f"{HEAVY!r} or m.startswith(('tuner.engines.', 'tuner.quality')))))")
+            f"{HEAVY!r} or m.startswith(('tuner.engines.', 'tuner.quality.gate')))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == ["tuner.engines.registry"]
 
@@ -46,7 +46,7 @@ class TestEveryEngine:
         assert not missing, f"{module.__name__} lacks {missing}"
 
     def test_its_default_space_is_a_file_of_that_engine(self, name: str) -> None:
-        from tuner.space import default_space_path, load_space
+        from tuner.search.space import default_space_path, load_space
 
         path = default_space_path("cpu", name)
         assert path.is_file(), path

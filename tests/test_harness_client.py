@@ -28,10 +28,10 @@ def test_closed_loop_at_the_slot_count_loses_no_request_and_the_server_saw_each(
     """Closed loop at concurrency = slots with short requests: each request starts the moment one ends, the moment
     the old pooled client re-used the connection the server was closing (it lost 5-20% of them, measured)."""
     from tuner.engines.llamacpp import LlamaCppEngine
-    from tuner.loadgen import run_load
+    from tuner.measure.loadgen import run_load
+    from tuner.measure.workload import WorkloadSpec, build_workload, with_arrivals
     from tuner.models import checkpoint_dir
     from tuner.quantize import load_tokenizer
-    from tuner.workload import WorkloadSpec, build_workload, with_arrivals
 
     tok = load_tokenizer(checkpoint_dir(MODEL))
     reqs = with_arrivals(build_workload(WorkloadSpec(requests=48, rate=None, concurrency=4, input_len=(16, 24),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from tests.conftest import run_tuner
-from tuner.roofline import roofline
+from tuner.measure.roofline import roofline
 
 MODEL = "smollm2-135m"
 

@@ -1,4 +1,4 @@
-"""tuner.host on this machine's real CPU accounting: whose CPU time is whose."""
+"""tuner.measure.host on this machine's real CPU accounting: whose CPU time is whose."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import time
 
 from tests.neighbour import neighbour, spinners
-from tuner.host import HOST_BUSY, busy_share, host_load, load_by_step, snapshot
+from tuner.measure.host import HOST_BUSY, busy_share, host_load, load_by_step, snapshot
 
 
 def spin(seconds: float) -> None:

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, assert_one_line_error, run_tuner
-from tuner.capacity import CapacityOptions
 from tuner.config import TrialConfig
 from tuner.job import BenchJob, EvalJob, job_to_dict, read_job, write_job
-from tuner.targets import build_slo
-from tuner.workload import WorkloadSpec
+from tuner.measure.capacity import CapacityOptions
+from tuner.measure.workload import WorkloadSpec
+from tuner.slo import build_slo
 
 MODEL = "smollm2-135m"
 
@@ -77,8 +77,8 @@ def test_a_search_trials_bench_job_carries_what_tuner_bench_builds_from_the_same
     parser and helpers)."""
     from tuner.cli.bench import add_parser, capacity_options
     from tuner.cli.common import workload_from_args
-    from tuner.objective import SearchContext, bench_job
-    from tuner.space import default_space_path, load_space
+    from tuner.search.objective import SearchContext, bench_job
+    from tuner.search.space import default_space_path, load_space
 
     _, slo = build_slo(None, "ttft:p99", "ttft:p90<450ms;tpot<80ms", 0.9, 0.9)
     ctx = SearchContext(model=MODEL, device="cpu", space=load_space(default_space_path("cpu")), primary=None,
@@ -235,10 +235,10 @@ RECORDED_EVAL = {
 # Runs `tuner.child`'s or `tuner`'s main with the measurement replayed: run_bench / evaluate return the recorded
 # result; everything after them (final result, JSON, exit code, report, the log) is the real code.
 REPLAY = """import json, sys
-import tuner.bench, tuner.eval_run
+import tuner.measure.bench, tuner.quality.run
 recorded = open(sys.argv[1]).read()
-tuner.bench.run_bench = lambda config, opts, should_stop=None: json.loads(recorded)
-tuner.eval_run.evaluate = lambda *args, **kwargs: json.loads(recorded)
+tuner.measure.bench.run_bench = lambda config, opts, should_stop=None: json.loads(recorded)
+tuner.quality.run.evaluate = lambda *args, **kwargs: json.loads(recorded)
 if sys.argv[2] == "--job":
     from tuner.child import child_main
     sys.exit(child_main(sys.argv[2:]))
@@ -328,7 +328,7 @@ def test_a_bench_job_gives_the_result_tuner_bench_gives_for_the_same_settings(tm
     assert a["metrics"]["total_output_tokens"] == b["metrics"]["total_output_tokens"]
     keep = ("index", "prompt_tokens", "output_tokens")
     assert [{k: r.get(k) for k in keep} for r in a["requests"]] == [{k: r.get(k) for k in keep} for r in b["requests"]]
-    from tuner.bench_report import format_report  # what `tuner bench` prints with
+    from tuner.measure.report import format_report  # what `tuner bench` prints with
 
     report = format_report(b)  # the job's own result, as `tuner bench` reports it: in its log, whole
     assert report in (tmp_path / "bench.log").read_text()

@@ -87,10 +87,10 @@ def test_kv_fraction_maps_monotonically_to_context_tokens():
 
 def test_a_server_that_dies_mid_run_fails_its_requests_with_the_reason():
     from tuner.engines.llamacpp import LlamaCppEngine
-    from tuner.loadgen import run_load
+    from tuner.measure.loadgen import run_load
+    from tuner.measure.workload import WorkloadSpec, build_workload, with_arrivals
     from tuner.models import checkpoint_dir
     from tuner.quantize import load_tokenizer
-    from tuner.workload import WorkloadSpec, build_workload, with_arrivals
 
     tok = load_tokenizer(checkpoint_dir(MODEL))
     reqs = with_arrivals(build_workload(WorkloadSpec(requests=6, rate=None, concurrency=2, input_len=(16, 32),
@@ -164,13 +164,13 @@ def test_capacity_sends_every_prompt_once_so_the_prompt_cache_never_serves_it():
     its cache) shows it: near zero for every request of the search, most of the prompt when the same prompts are
     sent again (the control, proving the check can see a cache hit). The canary (copies of the warm-up's first prompt, on
     purpose) is left out."""
-    from tuner.capacity import CANARY_RUNS, CapacityOptions, CapacitySearch
     from tuner.engines.llamacpp import LlamaCppEngine
-    from tuner.loadgen import run_load
+    from tuner.measure.capacity import CANARY_RUNS, CapacityOptions, CapacitySearch
+    from tuner.measure.loadgen import run_load
+    from tuner.measure.workload import WorkloadSpec, build_workload, with_arrivals
     from tuner.models import checkpoint_dir
     from tuner.quantize import load_tokenizer
-    from tuner.targets import SLO, parse_slo
-    from tuner.workload import WorkloadSpec, build_workload, with_arrivals
+    from tuner.slo import SLO, parse_slo
 
     opts = CapacityOptions(slo=SLO(tuple(parse_slo("ttft:p50<10s"))), probe_requests=(8, 8), max_probes=2,
                            max_requests=16, saturation_requests=8)

@@ -1,5 +1,5 @@
 """Quality of what llama.cpp serves, scored by llama.cpp's own `llama-perplexity` on the exact GGUF and KV type
-(tuner.quality_llamacpp), cross-checked against the transformers fp32 model of the same weights."""
+(tuner.quality.llamacpp), cross-checked against the transformers fp32 model of the same weights."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def test_f32_gguf_scores_like_transformers_fp32_on_the_same_items(results):
     """The same weights (the bundled GGUF dequantized to F32 by llama-quantize; fp32 in transformers) scored by
     llama-perplexity and by an independent transformers scorer of the same rule agree item by item, and their
     accuracies are within one standard error."""
-    from tuner.quality import score_quality
-    from tuner.quality_llamacpp import choice_tasks
+    from tuner.quality.gate import score_quality
+    from tuner.quality.llamacpp import choice_tasks
     from tuner.quantize import load_model
 
     cfg = TrialConfig(model=MODEL, engine="llamacpp", quant="F32", kv_type="f32")
@@ -80,7 +80,7 @@ def test_kld_orders_weight_and_kv_types_and_is_cached(results):
     diverges (the KV type is really applied); a second call is a cache hit with the same figures."""
     from tuner.engines.llamacpp import source_gguf
     from tuner.models import file_sha256
-    from tuner.quality_llamacpp import score_kld
+    from tuner.quality.llamacpp import score_kld
 
     h = file_sha256(source_gguf(MODEL))[:16]
     base = TrialConfig(model=MODEL, engine="llamacpp", quant="F32", kv_type="f32")

@@ -22,10 +22,10 @@ LM_EVAL = Path(sys.executable).parent / "lm_eval"
 
 @pytest.mark.slow
 def test_score_equals_stock_lm_eval_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from tuner.evaldata import DEFAULT_SUITE, resolve_tasks
     from tuner.models import checkpoint_dir
-    from tuner.quality import score_quality
-    from tuner.quality_common import BATCH_SIZE
+    from tuner.quality.common import BATCH_SIZE
+    from tuner.quality.evaldata import DEFAULT_SUITE, resolve_tasks
+    from tuner.quality.gate import score_quality
 
     assert LM_EVAL.is_file(), "the lm_eval console script is not installed next to this python"
     monkeypatch.setenv("TUNER_RESULTS", str(tmp_path / "results"))

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from tests.fake_engine import FakeEngine
-from tuner.loadgen import run_load
-from tuner.workload import Request
+from tuner.measure.loadgen import run_load
+from tuner.measure.workload import Request
 
 
 def reqs(n, rate=None, max_tokens=4, arrivals=None):

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tuner.metrics import RequestResult, compute_metrics, percentile, summarize
+from tuner.measure.metrics import RequestResult, compute_metrics, percentile, summarize
 
 
 def req(i, ttft, e2e, n, itl=None, error=None, proposed=0, accepted=0):

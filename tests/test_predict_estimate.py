@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from tuner.capacity import CapacityOptions
+from tuner.measure.capacity import CapacityOptions
+from tuner.measure.workload import Request
 from tuner.predict import profile as prof
 from tuner.predict.estimate import predict, simulated_capacity
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import SimulatedEngine, StepModel
-from tuner.targets import SLO, parse_slo
-from tuner.workload import Request
+from tuner.slo import SLO, parse_slo
 
 TRUTH = StepModel(decode_base_s=0.010, decode_per_seq_s=0.002, decode_per_context_token_s=2e-6,
                   prefill_base_s=0.003, prefill_per_token_s=1e-4, noise_sigma=0.15)

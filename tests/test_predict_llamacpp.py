@@ -48,11 +48,11 @@ def canary():
 
     from tuner.config import TrialConfig
     from tuner.engines.llamacpp import LlamaCppEngine
-    from tuner.loadgen import run_load
+    from tuner.measure.loadgen import run_load
+    from tuner.measure.workload import token_pool
     from tuner.models import checkpoint_dir
     from tuner.predict.profile import fresh_prompts
     from tuner.quantize import load_tokenizer
-    from tuner.workload import token_pool
 
     pool = token_pool(load_tokenizer(checkpoint_dir("smollm2-135m")))
     rng = random.Random(0)

@@ -55,7 +55,7 @@ def test_noisy_steps_give_the_noise_and_a_parameter_spread() -> None:
 def test_wave_gaps_keep_only_steps_where_the_whole_wave_decodes() -> None:
     # two requests sent together whose prompts differ: the short one decodes alone while the long one's prompt runs
     # (in the same steps), and finishes first; only the gaps with both decoding and both unfinished count
-    from tuner.workload import Request
+    from tuner.measure.workload import Request
 
     engine = SimulatedEngine(TRUTH, batch_cap=2, token_budget=64)
     reqs = [Request(0, "", tuple(range(16)), 20, None), Request(1, "", tuple(range(200)), 40, None)]

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from tuner.capacity import CapacityOptions, CapacitySearch
 from tuner.errors import TunerError
+from tuner.measure.capacity import CapacityOptions, CapacitySearch
+from tuner.measure.workload import Request, with_arrivals
 from tuner.predict.simulate import SimulatedEngine, StepModel
-from tuner.targets import SLO, parse_slo
-from tuner.workload import Request, with_arrivals
+from tuner.slo import SLO, parse_slo
 
 
 def requests(n: int, prompt_tokens: int = 32, max_tokens: int = 4) -> list[Request]:

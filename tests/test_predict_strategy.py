@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import REPO, assert_one_line_error, run_tuner
 from tuner.predict import strategy as st
-from tuner.space import load_space
+from tuner.search.space import load_space
 
 SPACE = REPO / "tests" / "data" / "tiny_predict_space.yaml"
 
@@ -20,7 +20,7 @@ def fixed(space: Any, rps: dict[tuple[str, int], float], rel_band: float = 0.05)
     """Predictions of every (quant, batch cap) of `space` with the given capacities and a narrow band."""
     from optuna.trial import FixedTrial
 
-    from tuner.space import config_key, suggest_config
+    from tuner.search.space import config_key, suggest_config
 
     out = []
     for params in st.enumerate_space(space):
@@ -33,12 +33,12 @@ def fixed(space: Any, rps: dict[tuple[str, int], float], rel_band: float = 0.05)
 
 def drive(space: Any, strategy: st.PredictStrategy, truth: dict[tuple[str, int], float], trials: int = 20,
           exceeds: tuple[str, ...] = ()) -> Any:
-    """The search loop's use of the strategy (tuner.search.run_search) on an in-memory study, each trial's capacity
-    `truth`'s value for its configuration, recorded as tuner.objective records it; a weight type in `exceeds` fails
-    the quality gate (pruned before its capacity is measured, as tuner.objective.apply_quality does)."""
+    """The search loop's use of the strategy (tuner.search.loop.run_search) on an in-memory study, each trial's capacity
+    `truth`'s value for its configuration, recorded as tuner.search.objective records it; a weight type in `exceeds` fails
+    the quality gate (pruned before its capacity is measured, as tuner.search.objective.apply_quality does)."""
     import optuna
 
-    from tuner.space import suggest_config
+    from tuner.search.space import suggest_config
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study(directions=["maximize", "maximize"])
@@ -152,7 +152,7 @@ def test_calibration_is_the_measured_ratio_and_its_spread_shrinks_with_agreeing_
 
 
 def test_the_space_is_enumerated_with_a_few_values_of_each_continuous_knob() -> None:
-    from tuner.space import config_key
+    from tuner.search.space import config_key
 
     space = load_space(REPO / "tests" / "data" / "tiny_llamacpp_space.yaml")
     grid = st.enumerate_space(space)
@@ -209,9 +209,9 @@ class SimulatedProfiles(st.PredictStrategy):
 
 
 def context(space: Any) -> Any:
-    from tuner.objective import SearchContext
-    from tuner.targets import SLO, parse_slo
-    from tuner.workload import WorkloadSpec
+    from tuner.measure.workload import WorkloadSpec
+    from tuner.search.objective import SearchContext
+    from tuner.slo import SLO, parse_slo
 
     slo = SLO(bounds=tuple(parse_slo("e2e:p50<5s")))
     return SearchContext(model="smollm2-135m", device="cpu", space=space, primary=slo.bounds[0], slo=slo,
@@ -222,7 +222,7 @@ def context(space: Any) -> Any:
 
 
 def pool(config: Any, options: Any) -> list[Any]:
-    from tuner.workload import Request
+    from tuner.measure.workload import Request
 
     rng = random.Random(1)
     return [Request(i, "", tuple(range(rng.randint(64, 200))), rng.randint(32, 64), None)

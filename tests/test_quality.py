@@ -56,7 +56,7 @@ def results_dir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def nf4_scores(results_dir: Path):
     """First (cold) score of bnb-nf4: computes and caches the fp32 baseline, the KLD reference and nf4 itself."""
-    from tuner.quality import score_quality
+    from tuner.quality.gate import score_quality
 
     config = TrialConfig(MODEL, quant="bnb-nf4", device="cpu")
     first = score_quality(config, TASKS, LIMIT, 1234, kld_tokens=KLD_TOKENS, progress=False)
@@ -65,7 +65,7 @@ def nf4_scores(results_dir: Path):
 
 # ----------------------------------------------------------------------------------------- task data ---- #
 def test_default_suite_and_task_parsing():
-    from tuner.evaldata import DEFAULT_SUITE, available_tasks, parse_tasks
+    from tuner.quality.evaldata import DEFAULT_SUITE, available_tasks, parse_tasks
 
     assert DEFAULT_SUITE == ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande")
     assert set(DEFAULT_SUITE) <= set(available_tasks())
@@ -78,7 +78,7 @@ def test_default_suite_and_task_parsing():
 def test_resolved_tasks_point_at_real_data(tmp_path: Path):
     import yaml
 
-    from tuner.evaldata import DEFAULT_SUITE, resolve_tasks
+    from tuner.quality.evaldata import DEFAULT_SUITE, resolve_tasks
 
     out = resolve_tasks(DEFAULT_SUITE + ("boolq", "mmlu"), tmp_path)
     assert len(list(out.glob("_mmlu_*.yaml"))) == 57
@@ -95,7 +95,7 @@ def test_resolved_tasks_point_at_real_data(tmp_path: Path):
 
 
 def test_lambada_held_text():
-    from tuner.evaldata import lambada_passages
+    from tuner.quality.evaldata import lambada_passages
 
     first = next(lambada_passages())
     assert first.startswith("In my palm is a clear stone") and first.endswith(" signs")
@@ -106,7 +106,7 @@ def test_token_kld_matches_full_precision_kl():
     """The 16-bit grid KL equals the exact KL(P||Q) to ~1e-4 relative; identical inputs give exactly 0."""
     import torch
 
-    from tuner.kld import CODE_MAX, to_codes, token_kld
+    from tuner.quality.kld import CODE_MAX, to_codes, token_kld
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(8, 4096, generator=g) * 3
@@ -126,7 +126,7 @@ def test_token_kld_matches_full_precision_kl():
 
 def test_kld_of_model_against_itself_is_zero(results_dir: Path):
     """Two separate passes of the fp32 model over the held text: KLD exactly 0, top-1 agreement exactly 1."""
-    from tuner.kld import held_chunks, kl_divergence, load_reference, reference_logprobs, save_reference
+    from tuner.quality.kld import held_chunks, kl_divergence, load_reference, reference_logprobs, save_reference
     from tuner.quantize import load_model
 
     model, tok = load_model(TrialConfig(MODEL, quant="fp32", device="cpu"))
@@ -170,7 +170,7 @@ def test_nf4_quality_against_baseline(nf4_scores, results_dir: Path):
 
 
 def test_cache_hit_is_equal(nf4_scores, results_dir: Path):
-    from tuner.quality import score_quality
+    from tuner.quality.gate import score_quality
 
     config, first = nf4_scores
     before = {p: p.stat().st_mtime_ns for p in cache_files(results_dir / "quality")}
@@ -189,7 +189,7 @@ def test_cache_hit_is_equal(nf4_scores, results_dir: Path):
 
 
 def test_fp32_baseline_entry(nf4_scores):
-    from tuner.quality import score_quality
+    from tuner.quality.gate import score_quality
 
     res = score_quality(TrialConfig(MODEL, quant="fp32", device="cpu"), TASKS, LIMIT, 1234,
                         kld_tokens=KLD_TOKENS, progress=False)
@@ -241,7 +241,7 @@ def bf16_escalated(nf4_scores, results_dir: Path, tmp_path_factory: pytest.TempP
 
 
 def test_tiny_budget_escalates_and_stays_indeterminate(bf16_escalated, nf4_scores):
-    from tuner.quality import score_quality
+    from tuner.quality.gate import score_quality
 
     proc, data = bf16_escalated
     gate = data["gate"]
@@ -268,7 +268,7 @@ def test_tiny_budget_escalates_and_stays_indeterminate(bf16_escalated, nf4_score
 
 
 def test_generous_budget_is_within(bf16_escalated):
-    from tuner.quality import quality_gate, score_quality
+    from tuner.quality.gate import quality_gate, score_quality
 
     res = score_quality(TrialConfig(MODEL, quant="bf16", device="cpu"), TASKS, LIMIT, 1234, kld_tokens=KLD_TOKENS,
                         progress=False)
@@ -309,7 +309,7 @@ def test_the_gate_spends_its_confidence_over_the_looks_it_may_take(bf16_escalate
     """--limit 10 --max-limit 20 allows two looks at the drop: each is taken at 97.5%, so the verdict the gate ends
     on holds at 95% over both (Bonferroni); the JSON says so, and its bounds are the two-look ones, wider than one
     look's at 95% on the same items."""
-    from tuner.quality import quality_gate, score_quality
+    from tuner.quality.gate import quality_gate, score_quality
 
     _, data = bf16_escalated
     gate = data["gate"]
@@ -325,7 +325,7 @@ def test_the_gate_spends_its_confidence_over_the_looks_it_may_take(bf16_escalate
 def test_a_verdict_one_look_can_show_is_not_shown_as_one_of_several():
     """Identical answers on 2 x 250 items: a 0.7 pp budget is shown `within` by one look at 95%, not by any of two,
     three or four looks sharing the same 5%."""
-    from tuner.quality import planned_looks, quality_gate
+    from tuner.quality.gate import planned_looks, quality_gate
 
     res = _result([(150, 0, 0, 100), (125, 0, 0, 125)])
     assert quality_gate(res, 0.7)["verdict"] == "within"
@@ -339,7 +339,7 @@ def test_the_kld_screen_decides_on_a_lower_bound_of_the_mean(nf4_scores, results
     """bnb-nf4's real KLD on 255 tokens: a --max-kld between its lower 95% bound and its mean does not screen it out
     (the point estimate alone did): lm-eval scores it. One below the bound does, with the screen's own reason (the
     KLD and its bound), not a drop it never measured."""
-    from tuner.quality import gated_quality
+    from tuner.quality.gate import gated_quality
 
     config, first = nf4_scores
     assert first.kld_mean_stderr > 0
@@ -359,9 +359,9 @@ def test_the_kld_screen_decides_on_a_lower_bound_of_the_mean(nf4_scores, results
 
 def test_the_kld_lower_bound_holds_at_its_confidence():
     """The bound the screen uses, on 2000 samples of 255 skewed per-token KLDs (gamma, mean 0.05) summarised by
-    tuner.kld.kld_stats: it exceeds the true mean in about 5% of them at 95%."""
-    from tuner.kld import kld_stats
-    from tuner.quality import kld_lower_bound
+    tuner.quality.kld.kld_stats: it exceeds the true mean in about 5% of them at 95%."""
+    from tuner.quality.gate import kld_lower_bound
+    from tuner.quality.kld import kld_stats
 
     rng = np.random.default_rng(7)
     over = 0
@@ -373,7 +373,7 @@ def test_the_kld_lower_bound_holds_at_its_confidence():
 
 def _result(per_task: list[tuple[int, int, int, int]], quant: str = "bnb-nf4") -> Any:
     """A QualityResult from per-task counts (both right, only baseline right, only candidate right, both wrong)."""
-    from tuner.quality_common import QualityResult, TaskScore
+    from tuner.quality.common import QualityResult, TaskScore
 
     tasks, base = [], []
     for i, counts in enumerate(per_task):
@@ -391,7 +391,7 @@ def test_gate_exceeds_on_a_clear_drop():
     """60 of 200 items lost per task, none gained: McNemar is decisive, so is the gate."""
     from scipy.stats import binomtest
 
-    from tuner.quality import paired_comparison, quality_gate
+    from tuner.quality.gate import paired_comparison, quality_gate
 
     res = _result([(80, 60, 0, 60), (70, 60, 0, 70)])
     gate = quality_gate(res, 1.0)
@@ -405,7 +405,7 @@ def test_no_disagreement_in_few_items_is_not_evidence():
     """Identical answers on 2 x 10 items: the exact one-sided 95% bound on the share of items that could flip is
     1 - 0.05^(1/20) = 14%, so a 5 pp budget cannot be shown (a bootstrap alone would give [0, 0]). On 2 x 250 items
     that bound is 0.6%: a 1 pp budget is shown, 0.3 pp is not."""
-    from tuner.quality import quality_gate
+    from tuner.quality.gate import quality_gate
 
     small = quality_gate(_result([(6, 0, 0, 4), (5, 0, 0, 5)]), 5.0)
     assert small["verdict"] == "indeterminate" and small["warning"] and small["drop_pp"] == 0.0
@@ -416,7 +416,7 @@ def test_no_disagreement_in_few_items_is_not_evidence():
 
 
 def test_the_baseline_against_itself_is_exactly_within():
-    from tuner.quality import quality_gate
+    from tuner.quality.gate import quality_gate
 
     gate = quality_gate(_result([(6, 0, 0, 4), (5, 0, 0, 5)], quant="fp32"), 0.0)
     assert gate["verdict"] == "within" and gate["drop_ci_pp"] == [0.0, 0.0] and gate["warning"] is None
@@ -424,7 +424,7 @@ def test_the_baseline_against_itself_is_exactly_within():
 
 # ------------------------------------------------------------------------------------- atomic writes ---- #
 def test_interrupted_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from tuner import quality_common as quality
+    from tuner.quality import common as quality
 
     def dump_then_interrupt(obj, f, **kw):
         f.write('{"key": {"partial"')

@@ -7,8 +7,8 @@ import warnings
 import optuna
 import pytest
 
-from tuner.search import DIRECTIONS, make_sampler
-from tuner.space import all_measured, config_key, load_space, suggest_config
+from tuner.search.loop import DIRECTIONS, make_sampler
+from tuner.search.space import all_measured, config_key, load_space, suggest_config
 
 GRID = """
 knobs:
@@ -86,7 +86,7 @@ def test_every_trial_measures_a_new_configuration_until_the_grid_is_exhausted(tm
 
 
 def test_a_new_study_measures_the_default_then_every_format_at_the_top_batch_cap(tmp_path):
-    from tuner.search import enqueue_start
+    from tuner.search.loop import enqueue_start
 
     space = grid_space(tmp_path, GRID.replace("batch_cap: {choices: [1, 2, 4, 8, 16]}",
                                               "batch_cap: {choices: [1, 2, 4, 8, 16], increasing: true}"))
@@ -108,7 +108,7 @@ def test_a_new_study_measures_the_default_then_every_format_at_the_top_batch_cap
 
 
 def test_the_sweep_uses_the_listed_top_not_a_baseline_beyond_it_and_takes_turns_across_engines(tmp_path):
-    from tuner.space import combine_spaces, startup_sweep
+    from tuner.search.space import combine_spaces, startup_sweep
 
     vllm_like = grid_space(tmp_path, GRID.replace("batch_cap: {choices: [1, 2, 4, 8, 16]}",
                                                   "batch_cap: {choices: [2, 4, 8], increasing: true}")
@@ -143,7 +143,7 @@ def test_a_configuration_that_failed_is_never_proposed_again(tmp_path, seed):
     """Every configuration at batch cap 16 runs out of memory (a failed trial, as the search records it: FAIL with
     a reason). On the 24-configuration grid, 24 trials of the search's sampler measure each configuration once, the
     failed ones included: a configuration that failed is not proposed again while anything new is left."""
-    from tuner.objective import TrialFailed
+    from tuner.search.objective import TrialFailed
 
     space = grid_space(tmp_path)
     study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(seed, space))

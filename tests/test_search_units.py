@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from tuner.errors import TunerError
-from tuner.space import combine_spaces, default_space_path, load_space, restrict_to_device, suggest_config
-from tuner.study import Row, answer, pareto_front, trials_csv
-from tuner.targets import Bound, build_slo, parse_duration_s, parse_metric, parse_slo, parse_slo_terms, parse_time_ms
+from tuner.search.answer import Row, answer, pareto_front, trials_csv
+from tuner.search.space import combine_spaces, default_space_path, load_space, restrict_to_device, suggest_config
+from tuner.slo import Bound, build_slo, parse_duration_s, parse_metric, parse_slo, parse_slo_terms, parse_time_ms
 
 
 @pytest.mark.parametrize("text,ms", [("300ms", 300.0), ("1.5s", 1500.0), ("2 s", 2000.0), ("0.5ms", 0.5)])
@@ -283,7 +283,7 @@ def test_nothing_feasible_reports_closest():
     from types import SimpleNamespace
 
     from tuner.cli.search import format_answer
-    from tuner.targets import SLO, parse_slo
+    from tuner.slo import SLO, parse_slo
 
     text = format_answer({"answer": dict(a, n_running=0), "study": "s", "storage": "sqlite:///x", "csv": "c",
                           "recommendation_path": "r"}, SimpleNamespace(slo=SLO(tuple(parse_slo("ttft:p90<300ms")))))
@@ -306,13 +306,13 @@ def test_spaces_dir_exists():
 
 
 def test_a_pick_that_drops_when_re_measured_hands_over_to_the_next():
-    """tuner.confirm on a real (in-memory) Optuna study: trial 1 won at 3.0 req/s in its trial but re-measured at
+    """tuner.search.confirm on a real (in-memory) Optuna study: trial 1 won at 3.0 req/s in its trial but re-measured at
     1.5; trial 2 (2.0, not re-measured) is now ranked first, so it is the next to re-measure and the answer picks it,
     while trial 1 reports both its figures."""
     import optuna
 
-    from tuner.confirm import next_to_confirm
-    from tuner.study import rows_from_study
+    from tuner.search.answer import rows_from_study
+    from tuner.search.confirm import next_to_confirm
 
     def attrs(rps):
         cap = {"requests_per_s": rps, "requests_per_s_ci": [rps, rps * 1.05], "verdict": "meets", "probes": []}
@@ -353,13 +353,13 @@ def test_a_pick_that_drops_when_re_measured_hands_over_to_the_next():
 
 
 def test_a_re_measure_that_fails_ranks_the_pick_last_with_a_verdict_of_the_interface(monkeypatch, tmp_path):
-    """tuner.confirm.confirm_best with the re-measure failing (failure injected in place of the child `tuner bench`):
+    """tuner.search.confirm.confirm_best with the re-measure failing (failure injected in place of the child `tuner bench`):
     the pick's figure becomes 0 req/s, verdict `indeterminate` (one of meets | misses | indeterminate) with the
     reason, and the next feasible trial is re-measured and picked."""
     import optuna
 
-    import tuner.confirm as C
-    from tuner.study import rows_from_study
+    import tuner.search.confirm as C
+    from tuner.search.answer import rows_from_study
 
     def attrs(rps):
         cap = {"requests_per_s": rps, "requests_per_s_ci": [rps, rps * 1.05], "verdict": "meets", "probes": []}
@@ -390,7 +390,7 @@ def test_a_re_measure_that_fails_ranks_the_pick_last_with_a_verdict_of_the_inter
 
 
 def test_the_answer_says_when_the_machine_moved_under_the_pick_or_the_default():
-    from tuner.capacity import engine_drift, machine_drift
+    from tuner.measure.capacity import engine_drift, machine_drift
 
     rows = [row(0, "fp32", 1, 0.5, (0.5, 0.6), 250.0, 0.0), row(1, "bf16", 8, 2.0, (2.0, 2.2), 290.0, 0.8)]
     assert answer(rows, NAMES)["recommendation"]["machine_drift"] == {}  # not measured (or calm): nothing said
@@ -412,7 +412,7 @@ def test_the_answer_says_when_the_host_was_busy_under_the_pick():
     import time
 
     from tests.neighbour import neighbour
-    from tuner.host import load_by_step, snapshot
+    from tuner.measure.host import load_by_step, snapshot
 
     def measured(busy: bool) -> dict:
         marks = [("", snapshot())]
@@ -430,10 +430,10 @@ def test_the_answer_says_when_the_host_was_busy_under_the_pick():
 
 def search_ctx(tmp_path, slo, budget=1.0, cost_per_hour=None, attainment=None):
     """The search's context as `tuner search` builds it (the bundled CPU space, default workload)."""
-    from tuner.objective import SearchContext
-    from tuner.space import default_space_path
-    from tuner.targets import build_slo
-    from tuner.workload import WorkloadSpec
+    from tuner.measure.workload import WorkloadSpec
+    from tuner.search.objective import SearchContext
+    from tuner.search.space import default_space_path
+    from tuner.slo import build_slo
 
     _, s = build_slo(None, "ttft:p99", slo, attainment=attainment)
     return SearchContext(model="smollm2-135m", device="cpu", space=load_space(default_space_path("cpu")),
@@ -443,7 +443,7 @@ def search_ctx(tmp_path, slo, budget=1.0, cost_per_hour=None, attainment=None):
 
 
 def capacity_at(rate, ttft_p90_ms, n=60, attained=0.95, missed_ttft_ms=2600.0, tok_s=None, above=1.25):
-    """A capacity result shaped as tuner.capacity writes it: probes below, at and above the capacity rate (rate 0:
+    """A capacity result shaped as tuner.measure.capacity writes it: probes below, at and above the capacity rate (rate 0:
     no rate met; the one probe misses)."""
     if not rate:
         probes = [{"rate_rps": 0.5, "n": n, "verdict": "misses", "ttft_ms": {"p90": missed_ttft_ms},
@@ -460,8 +460,8 @@ def capacity_at(rate, ttft_p90_ms, n=60, attained=0.95, missed_ttft_ms=2600.0, t
 
 
 def judged(ctx, number, capacity, drop_hi_pp, quant="bf16"):
-    """A trial judged by the search's own constraint functions (tuner.objective)."""
-    from tuner.objective import constraint_names, quality_constraint, slo_constraints
+    """A trial judged by the search's own constraint functions (tuner.search.objective)."""
+    from tuner.search.objective import constraint_names, quality_constraint, slo_constraints
 
     q = {"score": 0.5 - drop_hi_pp / 200, "drop_pp": drop_hi_pp / 2,
          "gate": {"verdict": "within" if drop_hi_pp <= ctx.max_quality_drop else "indeterminate",
@@ -477,7 +477,7 @@ def test_the_binding_constraint_is_the_picks_tightest_real_term_in_its_own_unit(
     """`make demo` printed "binding constraint: SLO shown to hold (least slack: -0% of its limit)": that indicator
     is 0 for every feasible trial, so it won `max` over terms that are all <= 0. The binding constraint is now the
     pick's tightest real term, with its value, its limit and its slack in its own unit."""
-    from tuner.objective import constraint_names
+    from tuner.search.objective import constraint_names
 
     ctx = search_ctx(tmp_path, "ttft:p90<2s")
     names = constraint_names(ctx)
@@ -504,15 +504,15 @@ def test_the_binding_constraint_is_the_picks_tightest_real_term_in_its_own_unit(
 
 
 def test_a_re_measured_pick_is_judged_on_its_re_measure(monkeypatch, tmp_path):
-    """tuner.confirm on a real Optuna study, the re-measure injected in place of the child `tuner bench`: trial 1
+    """tuner.search.confirm on a real Optuna study, the re-measure injected in place of the child `tuner bench`: trial 1
     won at 3 req/s but its re-measure meets the SLO at no rate. It is judged on that measure (constraints, slack,
     cost: infeasible), not kept "feasible" with a capacity of 0; the next candidate is re-measured and recommended,
     and the answer says why trial 1 is not. With a budget of one re-measure, no configuration is confirmed."""
     import optuna
 
-    import tuner.confirm as C
-    from tuner.objective import constraint_names
-    from tuner.study import rows_from_study
+    import tuner.search.confirm as C
+    from tuner.search.answer import rows_from_study
+    from tuner.search.objective import constraint_names
 
     ctx = search_ctx(tmp_path, "ttft:p90<2s", cost_per_hour=1.0)
     names = constraint_names(ctx)
@@ -566,11 +566,11 @@ def test_a_re_measured_pick_is_judged_on_its_re_measure(monkeypatch, tmp_path):
 
 
 def test_the_readme_example_is_what_the_answer_prints(tmp_path):
-    """README's example of the answer is the output of `tuner search`'s answer (tuner.study.answer and the CLI's
+    """README's example of the answer is the output of `tuner search`'s answer (tuner.search.answer.answer and the CLI's
     format_answer) on these two trials, judged by the search's own constraint functions: every line of its example
     block is printed, as written."""
     from tuner.cli.search import format_answer
-    from tuner.objective import constraint_names
+    from tuner.search.objective import constraint_names
 
     ctx = search_ctx(tmp_path, "ttft:p90<3s", budget=1.0, cost_per_hour=2.5)
     base = judged(ctx, 0, capacity_at(0.31, 2400.0, tok_s=9.6, above=1.16), 0.0, quant="fp32")

@@ -89,7 +89,7 @@ def test_quality_through_the_vllm_endpoint_matches_the_transformers_path(tmp_pat
     the transformers path (lm-eval HFLM) on the same items agree item by item and within one stderr; the drop is
     paired against fp32 served by the same vLLM; the top-K KLD is small but not zero."""
     from tuner.config import TrialConfig
-    from tuner.quality import score_quality
+    from tuner.quality.gate import score_quality
 
     monkeypatch.setenv("TUNER_RESULTS", str(tmp_path))
     served = score_quality(TrialConfig(model=MODEL, engine="vllm", quant="bf16"), ("arc_easy",), 40, 1234,

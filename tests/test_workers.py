@@ -116,7 +116,7 @@ def fresh_pg_db(url: str, name: str) -> str:
 def check_study(storage: str, name: str, n_trials: int, min_workers: int = 2, all_complete: bool = True) -> list:
     import optuna
 
-    from tuner.study import open_storage
+    from tuner.search.answer import open_storage
 
     study = optuna.load_study(study_name=name, storage=open_storage(storage, create=False))
     trials = study.get_trials(deepcopy=False)
@@ -128,7 +128,7 @@ def check_study(storage: str, name: str, n_trials: int, min_workers: int = 2, al
     assert baselines == [0], baselines
     assert trials[0].params == BASELINE
     # kv_fraction is continuous: a configuration comes up twice only when a worker replays another's random draws
-    # (the sampler not re-seeded per trial number). Checked: with tuner.search.reseed_sampler made a no-op, the
+    # (the sampler not re-seeded per trial number). Checked: with tuner.search.loop.reseed_sampler made a no-op, the
     # 6-worker SQLite stress run below repeats 3 configurations and fails here.
     keys = [tuple(sorted(t.params.items())) for t in trials]
     dups = {k for k in keys if keys.count(k) > 1}
@@ -144,15 +144,15 @@ def check_study(storage: str, name: str, n_trials: int, min_workers: int = 2, al
 # by a quick stand-in. TUNER_TEST_BAD_SAMPLE=N injects a failure: trial N samples an invalid configuration.
 STAND_IN = r'''
 import argparse, os, random, sys, time
-import tuner.search as S
-import tuner.space
+import tuner.search.loop as S
+import tuner.search.space
 from tuner.cli.search import add_arguments, build_context, make_results_dir
 p = argparse.ArgumentParser(); add_arguments(p)
 args = p.parse_args(sys.argv[1:])
 ctx, storage, name, notes = build_context(args)
 make_results_dir(ctx.results_dir)
 def stand_in(trial, ctx):
-    from tuner.space import suggest_config
+    from tuner.search.space import suggest_config
     c = suggest_config(trial, ctx.space, ctx.model, ctx.device)
     time.sleep(float(os.environ.get('TUNER_TEST_TRIAL_S') or 0.05 + 0.3 * random.random()))
     trial.set_user_attr("config", c.to_dict())
@@ -162,11 +162,11 @@ def stand_in(trial, ctx):
 S.objective = stand_in
 bad = os.environ.get("TUNER_TEST_BAD_SAMPLE")
 if bad:
-    real = tuner.space.suggest_config
+    real = tuner.search.space.suggest_config
     def sample(trial, space, model, device):
         c = real(trial, space, model, device)
         return c.replace(kv_fraction=0.0) if trial.number == int(bad) else c  # TrialConfig raises TunerError
-    tuner.space.suggest_config = sample
+    tuner.search.space.suggest_config = sample
 S.run_search(ctx, storage, name, args.trials, args.timeout, args.seed, progress=False)
 '''
 
@@ -250,7 +250,7 @@ def worker_with_another_slo(tmp_path: Path, storage: str, study_slo: list, worke
     import optuna
 
     from tests.conftest import assert_one_line_error
-    from tuner.study import open_storage
+    from tuner.search.answer import open_storage
 
     first = start_stand_in(stand_in_args(storage, 2, *study_slo), tmp_path / "w0")
     out, err = first.communicate(timeout=300)
@@ -290,7 +290,7 @@ def real_workers(tmp_path: Path, storage: str, searches: int, joiners: int, n_tr
     if joiners:
         import optuna
 
-        from tuner.study import open_storage
+        from tuner.search.answer import open_storage
 
         deadline = time.time() + 120
         while "shared" not in optuna.study.get_all_study_names(open_storage(storage)):

@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 from tuner.errors import TunerError
-from tuner.workload import WorkloadSpec, arrival_times, build_workload, parse_range, read_trace, with_arrivals
+from tuner.measure.workload import WorkloadSpec, arrival_times, build_workload, parse_range, read_trace, with_arrivals
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,9 @@
 
 Whatever happens to the child (an exception, an out-of-memory kill, a segfault, a hang) comes back as data: a
 return code and a one-line reason. The child is `python -m tuner.child --job FILE`, FILE a bench or eval job
-(tuner.job) that it runs with the library functions `tuner bench` and `tuner eval` call (tuner.bench_run,
-tuner.eval_run), writing the same result JSON and printing the same report into its log (tuner.bench_report,
-tuner.eval_report); it never parses command-line text nor imports tuner.cli. Before it imports anything heavy it
+(tuner.job) that it runs with the library functions `tuner bench` and `tuner eval` call (tuner.measure.run,
+tuner.quality.run), writing the same result JSON and printing the same report into its log (tuner.measure.report,
+tuner.quality.report); it never parses command-line text nor imports tuner.cli. Before it imports anything heavy it
 
   * asks the kernel to SIGKILL it when its parent dies (Linux `prctl(PR_SET_PDEATHSIG)`; elsewhere a watchdog thread
     polls the parent pid), so a `kill -9` of `tuner search` leaves no orphan behind;
@@ -241,10 +241,10 @@ def run_job(path: str) -> int:
         return e.exit_code
     try:
         if isinstance(job, BenchJob):
-            from tuner.bench_run import run_bench_job
+            from tuner.measure.run import run_bench_job
 
             return run_bench_job(job)
-        from tuner.eval_run import run_eval_job
+        from tuner.quality.run import run_eval_job
 
         return run_eval_job(job)
     except TunerError as e:

@@ -4,7 +4,7 @@ under an SLO, or one fixed load) or an eval job (one configuration's quality, ga
 A job is a frozen dataclass. The parent writes it as JSON (atomically: tuner.files) and the child reads it back with
 every field checked against its type: an unknown field, a missing one, a value of the wrong type or a file that is
 not there is one line naming it (TunerError, exit 2). No setting goes through command-line text on the way, and
-every default is taken from its one home (tuner.capacity, tuner.bench, tuner.quality), never restated here.
+every default is taken from its one home (tuner.measure.capacity, tuner.measure.bench, tuner.quality.gate), never restated here.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tuner.bench import BenchOptions
-from tuner.capacity import CapacityOptions
 from tuner.config import TrialConfig
 from tuner.errors import TunerError
 from tuner.files import write_json_atomic
-from tuner.quality import DEFAULT_CONFIDENCE
-from tuner.workload import WorkloadSpec
+from tuner.measure.bench import BenchOptions
+from tuner.measure.capacity import CapacityOptions
+from tuner.measure.workload import WorkloadSpec
+from tuner.quality.gate import DEFAULT_CONFIDENCE
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class EvalJob:
     max_limit: int | None = None
     confidence: float = DEFAULT_CONFIDENCE
     max_kld: float | None = None
-    kld_tokens: int | None = None  # None: tuner.kld's default
+    kld_tokens: int | None = None  # None: tuner.quality.kld's default
     results_dir: str | None = None
 
 

@@ -42,9 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_capacity_args(p: argparse.ArgumentParser, with_switch: bool = True) -> None:
     """SLO and capacity-search flags (shared by `tuner bench --capacity` and `tuner search`)."""
-    from tuner.targets import DEFAULT_ATTAINMENT, DEFAULT_LATENCY_METRIC
+    from tuner.slo import DEFAULT_ATTAINMENT, DEFAULT_LATENCY_METRIC
 
-    g = p.add_argument_group("capacity: the highest rate served within the SLO (see tuner/capacity.py)")
+    g = p.add_argument_group("capacity: the highest rate served within the SLO (see tuner/measure/capacity.py)")
     if with_switch:
         g.add_argument("--capacity", action="store_true",
                        help="measure capacity: warm-up, saturation probe, then a bracketed search over the arrival "
@@ -73,7 +73,7 @@ def recorded_slo(path: str | None) -> Any:
     import json
     from pathlib import Path
 
-    from tuner.targets import SLO
+    from tuner.slo import SLO
 
     if not path:
         return None
@@ -87,9 +87,9 @@ def recorded_slo(path: str | None) -> Any:
 
 
 def capacity_defaults() -> dict[str, Any]:
-    """The capacity settings' defaults, read from their one home (tuner.capacity); `probe_requests` None: sized
-    by the SLO's percentile (tuner.capacity.probe_requests_for)."""
-    from tuner.capacity import DEFAULT_TIMEOUT_S, CapacityOptions
+    """The capacity settings' defaults, read from their one home (tuner.measure.capacity); `probe_requests` None: sized
+    by the SLO's percentile (tuner.measure.capacity.probe_requests_for)."""
+    from tuner.measure.capacity import DEFAULT_TIMEOUT_S, CapacityOptions
 
     return {"probe_requests": None, "max_probes": CapacityOptions.max_probes, "timeout": f"{DEFAULT_TIMEOUT_S:g}s",
             "saturation_requests": None}
@@ -99,8 +99,8 @@ def capacity_settings(args: argparse.Namespace, base: dict[str, Any] | None = No
                       base_name: str = "space file capacity") -> dict[str, Any]:
     """Flags, else `base` (a space file's `capacity:` section), else the defaults; validated. An error names where
     the bad value came from: the flag, or the space file's key."""
-    from tuner.targets import parse_duration_s
-    from tuner.workload import parse_range
+    from tuner.measure.workload import parse_range
+    from tuner.slo import parse_duration_s
 
     s = {**capacity_defaults(), **(base or {})}
     flags = {"probe_requests": "--probe-requests", "max_probes": "--max-probes", "timeout": "--capacity-timeout",
@@ -123,7 +123,7 @@ def capacity_settings(args: argparse.Namespace, base: dict[str, Any] | None = No
 
 
 def capacity_options(args: argparse.Namespace, slo: Any, seed: int, arrival: str) -> Any:
-    from tuner.capacity import CapacityOptions, probe_requests_for
+    from tuner.measure.capacity import CapacityOptions, probe_requests_for
 
     s = capacity_settings(args)
     return CapacityOptions(slo=slo, probe_requests=probe_requests_for(slo, s["max_probes"], s["probe_requests"]),
@@ -150,17 +150,17 @@ def run(args: argparse.Namespace) -> int:
     slo = parse_goodput(args.goodput)
     if args.timeout <= 0:
         raise TunerError(f"--timeout {args.timeout} is invalid: expected seconds > 0")
-    from tuner.bench import BenchOptions, run_bench
+    from tuner.measure.bench import BenchOptions, run_bench
 
     should_stop = None
     if args.stop_if:
-        from tuner.bench import stop_when_past
-        from tuner.targets import parse_slo
+        from tuner.measure.bench import stop_when_past
+        from tuner.slo import parse_slo
 
         should_stop = stop_when_past(parse_slo(args.stop_if))
     capacity = None
     if args.capacity:
-        from tuner.targets import build_slo
+        from tuner.slo import build_slo
 
         if args.stop_if:
             raise TunerError("--stop-if does not apply with --capacity: expected one of them (a capacity probe stops "
@@ -181,8 +181,8 @@ def run(args: argparse.Namespace) -> int:
     opts = BenchOptions(workload=spec, slo_ms=slo, timeout_s=args.timeout, ignore_eos=not args.respect_eos,
                         measure_bandwidth=not args.no_bandwidth, progress=not args.quiet, capacity=capacity,
                         log_path=server_log)
-    from tuner.bench_report import format_report
-    from tuner.bench_run import exit_code, final_result
+    from tuner.measure.report import format_report
+    from tuner.measure.run import exit_code, final_result
 
     result = final_result(run_bench(config, opts, should_stop))
     print(format_report(result))

@@ -11,7 +11,7 @@ from tuner.config import ENGINE_KNOBS, ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYP
 from tuner.engines.registry import ENGINES
 from tuner.errors import TunerError
 from tuner.files import write_json_atomic as write_json_atomic  # re-exported for the commands
-from tuner.workload import WorkloadSpec, parse_range
+from tuner.measure.workload import WorkloadSpec, parse_range
 
 
 def add_config_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -76,7 +76,7 @@ CONFIG_FLAGS = ("model", "engine", "quant", "batch_cap", "kv_fraction", "kv_type
 
 def config_from_args(args: argparse.Namespace) -> TrialConfig:
     """Build and validate the TrialConfig (cheap checks, including that the model source exists)."""
-    from tuner.bench_run import check_sources
+    from tuner.measure.run import check_sources
 
     if args.config:
         try:
@@ -118,7 +118,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
     elif args.rate is not None:
         w["concurrency"] = None
     if w["trace"]:
-        from tuner.workload import read_trace
+        from tuner.measure.workload import read_trace
 
         read_trace(w["trace"])  # validate before loading the model
 

@@ -17,9 +17,9 @@ from tuner.engines.registry import backend, names
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from tuner.evaldata import DEFAULT_SUITE
-    from tuner.kld import DEFAULT_KLD_TOKENS
-    from tuner.quality import DEFAULT_CONFIDENCE, DEFAULT_LIMIT, DEFAULT_SEED
+    from tuner.quality.evaldata import DEFAULT_SUITE
+    from tuner.quality.gate import DEFAULT_CONFIDENCE, DEFAULT_LIMIT, DEFAULT_SEED
+    from tuner.quality.kld import DEFAULT_KLD_TOKENS
 
     p = sub.add_parser("eval", help="score a configuration's quality with lm-eval",
                        description="Accuracy on offline benchmarks (lm-eval), accuracy drop (paired on the same items) "
@@ -64,13 +64,13 @@ def run(args: argparse.Namespace) -> int:
     from tuner.cli.common import write_json_atomic
     from tuner.config import TrialConfig
     from tuner.errors import TunerError
-    from tuner.evaldata import set_offline
+    from tuner.quality.evaldata import set_offline
 
     t0 = time.perf_counter()
     if args.json and Path(args.json).expanduser().is_dir():
         raise TunerError(f"--json {args.json!r} is a directory: expected a file path")
-    from tuner.eval_report import format_table
-    from tuner.eval_run import check_eval_settings, evaluate
+    from tuner.quality.report import format_table
+    from tuner.quality.run import check_eval_settings, evaluate
 
     check_eval_settings(args.max_quality_drop, args.limit, args.max_limit, args.confidence, args.max_kld)
     set_offline()

@@ -74,7 +74,7 @@ def check_args(args: argparse.Namespace, config: Any) -> None:
 
 def capacity_pool(config: Any, spec: Any, options: Any, tokenizer: Any) -> list[Any]:
     """The prompts `tuner bench --capacity` builds for this workload (same seed, same prompts, same order)."""
-    from tuner.workload import build_workload
+    from tuner.measure.workload import build_workload
 
     warm_n = max(2, config.batch_cap)
     cap_spec = replace(spec, requests=max(spec.requests, options.pool_size(config.batch_cap, measurements=2)))
@@ -85,7 +85,7 @@ def capacity_pool(config: Any, spec: Any, options: Any, tokenizer: Any) -> list[
 
 def bench_requests(config: Any, spec: Any, tokenizer: Any, rate: float) -> tuple[list[Any], list[Any]]:
     """The requests and warm-up `tuner bench --rate R` sends for this workload."""
-    from tuner.workload import build_workload
+    from tuner.measure.workload import build_workload
 
     warm_n = max(2, config.batch_cap)
     rate_spec = replace(spec, rate=rate, concurrency=None)
@@ -97,7 +97,7 @@ def bench_requests(config: Any, spec: Any, tokenizer: Any, rate: float) -> tuple
 
 
 def run(args: argparse.Namespace) -> int:
-    from tuner.targets import build_slo
+    from tuner.slo import build_slo
 
     config = config_from_args(args)
     check_args(args, config)

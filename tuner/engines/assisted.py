@@ -9,7 +9,7 @@ decoder keeps a dynamic cache); it is recorded as such. Drafts:
                  universal assisted decoding when the tokenizers differ
   early-exit:L   self-speculation from the model's first L layers (`assistant_early_exit=L`)
   none           the same batch-1 decoders without a draft: the reference a draft's effect is measured against
-                 (tuner.bench measures it on the same engine, weights and prompts as the draft run)
+                 (tuner.measure.bench measures it on the same engine, weights and prompts as the draft run)
 Acceptance rate = accepted / proposed draft tokens, counted on the candidate generator of each request.
 """
 

@@ -29,7 +29,7 @@ class Capabilities:
 
 class Engine(ABC):
     """Lifecycle: `start()` (load, allocate) -> `submit(...)`* -> `stop()`. The bench warms an engine up with
-    requests drawn from the workload itself (tuner.bench), so engines need no warm-up of their own."""
+    requests drawn from the workload itself (tuner.measure.bench), so engines need no warm-up of their own."""
 
     @abstractmethod
     def capabilities(self) -> Capabilities: ...

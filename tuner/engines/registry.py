@@ -81,10 +81,10 @@ class Backend:
 
 
 ENGINES: dict[str, Backend] = {b.name: b for b in (
-    Backend("transformers", "tuner.engines.transformers", "tuner.quality_transformers", "tuner.config:FORMATS",
+    Backend("transformers", "tuner.engines.transformers", "tuner.quality.transformers", "tuner.config:FORMATS",
             ("auto",), "bf16", "fp32", "fp32", ("cpu.yaml", "cuda.yaml"), server=False, launched=True,
             export_to=None, profiled=False),
-    Backend("llamacpp", "tuner.engines.llamacpp", "tuner.quality_llamacpp", "tuner.config:GGUF_TYPES",
+    Backend("llamacpp", "tuner.engines.llamacpp", "tuner.quality.llamacpp", "tuner.config:GGUF_TYPES",
             ("auto", "f32", "f16", "bf16", "q8_0", "q4_0"), "F16", "F16", "F32",
             ("llamacpp-cpu.yaml", "llamacpp-cuda.yaml"), server=True, launched=True, export_to="llamacpp",
             profiled=True, drafts=NO_EARLY_EXIT,
@@ -93,12 +93,12 @@ ENGINES: dict[str, Backend] = {b.name: b for b in (
             devices=("auto", "cpu"),
             device_refusal="engine llamacpp on device {device}: this build of llama-server is CPU-only; expected "
                            "--device cpu or auto"),
-    Backend("vllm", "tuner.engines.vllm", "tuner.quality_vllm", "tuner.config:FORMATS", ("auto",), "bf16", "fp32",
+    Backend("vllm", "tuner.engines.vllm", "tuner.quality.vllm", "tuner.config:FORMATS", ("auto",), "bf16", "fp32",
             "fp32", ("vllm-cpu.yaml", "vllm-cuda.yaml"), server=True, launched=True, export_to="vllm",
             profiled=False, drafts=NO_EARLY_EXIT,
             draft_refusal="draft {draft!r} is not served by vLLM 0.27.1 (no layer-skip self-speculation): expected "
                           "none, ngram:K or draft:<model>:K"),
-    Backend("endpoint", "tuner.engines.endpoint", "tuner.quality_endpoint", "tuner.config:ENDPOINT_FORMATS",
+    Backend("endpoint", "tuner.engines.endpoint", "tuner.quality.endpoint", "tuner.config:ENDPOINT_FORMATS",
             ("auto",), "served", "served", "fp32", ("endpoint.yaml", "endpoint.yaml"), server=True, launched=False,
             export_to=None, profiled=False, drafts=("none",),
             draft_refusal="draft {draft!r} on an endpoint: its server's speculation is out of reach; expected none"),

@@ -265,7 +265,7 @@ def _pct(m: Mapping[str, Any], key: str, q: str) -> str | None:
 
 def capacity_line(cap: Mapping[str, Any]) -> str:
     """One line on a measured capacity: the rate, its bracket, the SLO (attainment included) and the verdict."""
-    from tuner.targets import SLO
+    from tuner.slo import SLO
 
     try:
         slo = "; ".join(SLO.from_dict(dict(cap.get("slo") or {})).terms())

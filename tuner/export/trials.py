@@ -14,7 +14,7 @@ from typing import Any
 
 from tuner.config import TrialConfig
 from tuner.errors import TunerError
-from tuner.study import remeasure_of
+from tuner.search.answer import remeasure_of
 
 DEFAULT_STORAGE = "sqlite:///results/tuner.db"
 
@@ -40,7 +40,7 @@ def open_study(name: str, storage: str) -> Any:
         if not path.is_file():
             raise TunerError(f"storage {storage!r}: no such database file {str(path)!r} (run `tuner search` first "
                              "or pass --storage)")
-    from tuner.study import open_storage
+    from tuner.search.answer import open_storage
 
     rdb = open_storage(storage, create=False)
     try:

@@ -1,4 +1,4 @@
-"""Predicted capacity: the real capacity search (tuner.capacity.CapacitySearch: same warm-up, canaries, saturation
+"""Predicted capacity: the real capacity search (tuner.measure.capacity.CapacitySearch: same warm-up, canaries, saturation
 probe, bracket and verdict rules) driven by a simulated engine (tuner.predict.simulate) whose step times come from
 an engine profile (tuner.predict.profile), and the load generator's figures at fixed rates (what `tuner bench
 --rate R` would print), every figure predicted.
@@ -22,13 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tuner.capacity import CapacityOptions, CapacitySearch
-from tuner.metrics import compute_metrics
+from tuner.measure.capacity import CapacityOptions, CapacitySearch
+from tuner.measure.metrics import compute_metrics
+from tuner.measure.workload import Request, with_arrivals
 from tuner.predict.calibration import widen
 from tuner.predict.fit import bootstrap_models
 from tuner.predict.profile import step_model
 from tuner.predict.simulate import SimulatedEngine, StepModel
-from tuner.workload import Request, with_arrivals
 
 LLAMACPP_BATCH_TOKENS = 2048  # llama-server's default -b: decodes and prompt tokens per step at most
 CURVE_SHARES = (0.25, 0.5, 0.75, 0.9, 1.0)  # curve rates, as shares of the predicted saturation rate

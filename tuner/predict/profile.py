@@ -31,9 +31,9 @@ from typing import Any
 from tuner.config import TrialConfig
 from tuner.engines.registry import backend
 from tuner.errors import TunerError
+from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
-from tuner.workload import Request
 
 VERSION = 2  # 2: a decode step time per batch size measured
 PREFILL_TOKENS = (16, 64, 192, 384)
@@ -180,10 +180,10 @@ def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], No
                     ) -> dict[str, Any]:
     """Start llama-server for `config` at -np `batch_cap`, measure, stop it; the profile (unwritten)."""
     from tuner.engines.llamacpp import LlamaCppEngine
-    from tuner.loadgen import run_load
+    from tuner.measure.loadgen import run_load
+    from tuner.measure.workload import token_pool
     from tuner.models import checkpoint_dir
     from tuner.quantize import load_tokenizer
-    from tuner.workload import token_pool
 
     key = profile_key(config)
     t_start = time.perf_counter()

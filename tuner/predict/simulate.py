@@ -1,7 +1,7 @@
-"""A virtual-time simulation of a continuous-batching engine, with the load generator's contract (tuner.loadgen).
+"""A virtual-time simulation of a continuous-batching engine, with the load generator's contract (tuner.measure.loadgen).
 
-`SimulatedEngine.run(requests, concurrency, timeout_s, should_stop)` returns a `tuner.loadgen.LoadResult` as
-`run_load` does on a real engine, so the real capacity search (tuner.capacity.CapacitySearch, with
+`SimulatedEngine.run(requests, concurrency, timeout_s, should_stop)` returns a `tuner.measure.loadgen.LoadResult` as
+`run_load` does on a real engine, so the real capacity search (tuner.measure.capacity.CapacitySearch, with
 `clock=engine.clock`) drives it unchanged: same warm-up, canaries, saturation probe, bracket and verdicts.
 
 The scheduler, one step at a time (llama-server's slots and vLLM's scheduler share this shape):
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tuner.errors import TunerError
-from tuner.loadgen import LoadResult
-from tuner.metrics import RequestResult
-from tuner.workload import Request
+from tuner.measure.loadgen import LoadResult
+from tuner.measure.metrics import RequestResult
+from tuner.measure.workload import Request
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class SimulatedEngine:
             should_stop: Callable[[list[RequestResult], int], str | None] | None = None,
             **_: Any) -> LoadResult:
         """Serve `requests` (open loop at their `arrival_s`, or closed loop at `concurrency`) from the current
-        virtual time; the same contract as tuner.loadgen.run_load (extra keywords such as `progress` ignored)."""
+        virtual time; the same contract as tuner.measure.loadgen.run_load (extra keywords such as `progress` ignored)."""
         t0 = self.now
         n = len(requests)
         deadline = t0 + timeout_s

@@ -18,7 +18,7 @@
    prediction's own band combined with the calibration's scatter). The search stops when no unmeasured
    configuration has a chance of at least `STOP_CHANCE` (its calibrated band's top, 2 spreads up, is below the
    best), or the trials / timeout run out. A format the quality gate prunes takes its configurations out.
-3. The answer is the best **measured** configuration (tuner.study); `report` adds what was predicted and measured,
+3. The answer is the best **measured** configuration (tuner.search.answer); `report` adds what was predicted and measured,
    each measured configuration's predicted capacity beside its measured one with the signed error
    (predicted - measured) / measured, and the model's error over this search.
 """
@@ -51,7 +51,7 @@ class Prediction:
 
     params: dict[str, Any]  # Optuna parameter names -> values (what enqueue_trial takes)
     config: dict[str, Any]  # the TrialConfig as a dict
-    key: tuple[tuple[str, Any], ...]  # tuner.space.config_key
+    key: tuple[tuple[str, Any], ...]  # tuner.search.space.config_key
     rps: float | None = None
     band: tuple[float, float] | None = None
     profile: str | None = None
@@ -113,7 +113,7 @@ def next_candidate(predictions: Sequence[Prediction], done: set, ratio: float, s
 # ------------------------------------------------------------------------------------- enumeration --- #
 def knob_values(knob: Any, baseline: Any) -> list[Any]:
     """A knob's values to predict: its choices, or CONTINUOUS_VALUES points of its range (+ the baseline's)."""
-    from tuner.space import DEFAULTS
+    from tuner.search.space import DEFAULTS
 
     if knob.choices is not None:
         return list(knob.choices)
@@ -128,8 +128,8 @@ def knob_values(knob: Any, baseline: Any) -> list[Any]:
 
 def enumerate_space(space: Any) -> list[dict[str, Any]]:
     """Every configuration to predict as Optuna parameters, with knobs a `when:` switches off left out (as
-    tuner.space.suggest_config samples them)."""
-    from tuner.space import switched_off_value
+    tuner.search.space.suggest_config samples them)."""
+    from tuner.search.space import switched_off_value
 
     out: list[tuple[dict[str, Any], dict[str, Any]]] = [({}, {})]  # (parameters, every knob's value so far)
     for name, knob in space.knobs.items():
@@ -146,7 +146,7 @@ def enumerate_space(space: Any) -> list[dict[str, Any]]:
 
 def format_of(config: dict[str, Any]) -> tuple[Any, ...]:
     """The profile's format of a configuration (TrialConfig.to_dict leaves engine knobs at their default out)."""
-    from tuner.space import DEFAULTS
+    from tuner.search.space import DEFAULTS
 
     return tuple(config.get(k, DEFAULTS[k]) for k in FORMAT_FIELDS)
 
@@ -165,7 +165,7 @@ def profile_order(formats: Sequence[tuple[Any, ...]], baseline: tuple[Any, ...],
 
 # ----------------------------------------------------------------------------------------- strategy --- #
 class PredictStrategy:
-    """The search loop's chooser (tuner.search.run_search calls `prepare` once, `enqueue_next` before each trial and
+    """The search loop's chooser (tuner.search.loop.run_search calls `prepare` once, `enqueue_next` before each trial and
     `report` for the answer). `pool_for(config, options)`: the capacity pool `tuner bench --capacity` builds."""
 
     def __init__(self, pool_for: Callable[[Any, Any], list[Any]], seed: int = 0,
@@ -185,8 +185,8 @@ class PredictStrategy:
 
     # ---------------------------------------------------------------------------------- predict --- #
     def options(self, ctx: Any) -> Any:
-        """The capacity settings each trial's `tuner bench --capacity` runs with (tuner.objective.bench_args)."""
-        from tuner.capacity import CapacityOptions
+        """The capacity settings each trial's `tuner bench --capacity` runs with (tuner.search.objective.bench_args)."""
+        from tuner.measure.capacity import CapacityOptions
 
         return CapacityOptions(slo=ctx.slo, probe_requests=tuple(ctx.probe_requests), max_probes=ctx.max_probes,
                                max_wall_s=ctx.capacity_timeout_s, saturation_requests=ctx.saturation_requests,
@@ -196,7 +196,7 @@ class PredictStrategy:
         """Enumerate, profile what the time affords, predict every profiled configuration."""
         from optuna.trial import FixedTrial
 
-        from tuner.space import config_key, suggest_config
+        from tuner.search.space import config_key, suggest_config
 
         space = ctx.space
         groups: dict[tuple[Any, ...], list[Prediction]] = {}
@@ -338,9 +338,9 @@ class PredictStrategy:
     def state(self, study: Any, space: Any) -> tuple[set, list[tuple[float, float]], float, Any, set]:
         """(keys measured or tried, (predicted, measured) pairs, best feasible measured req/s, its trial, quality
         keys pruned by the gate)."""
-        from tuner.objective import quality_key
-        from tuner.search import interrupted
-        from tuner.space import config_key
+        from tuner.search.loop import interrupted
+        from tuner.search.objective import quality_key
+        from tuner.search.space import config_key
 
         done, pairs, best, best_trial, pruned = set(), [], 0.0, None, set()
         for t in study.get_trials(deepcopy=False):
@@ -364,8 +364,8 @@ class PredictStrategy:
     def enqueue_next(self, study: Any, space: Any) -> bool:
         """Enqueue the next configuration to measure (the baseline first); False, with `stopped` said, when none
         has a meaningful chance. A WAITING trial already enqueued is measured first."""
-        from tuner.objective import quality_key
-        from tuner.space import config_key
+        from tuner.search.objective import quality_key
+        from tuner.search.space import config_key
 
         trials = study.get_trials(deepcopy=False)
         if any(t.state.name == "WAITING" for t in trials):

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tuner.capacity import DRIFT_NOTE
 from tuner.config import ENGINE_KNOBS
 from tuner.errors import TunerError
-from tuner.host import HOST_BUSY, busy_share
+from tuner.measure.capacity import DRIFT_NOTE
+from tuner.measure.host import HOST_BUSY, busy_share
 
 DEFAULT_STORAGE = "sqlite:///results/tuner.db"
 
@@ -119,7 +119,7 @@ class Row:
         return float((self.capacity or {}).get("output_tokens_per_s") or 0.0)
 
 
-CONFIRMED = "confirmed"  # study attribute: trial number -> its re-measure after the search (tuner.confirm)
+CONFIRMED = "confirmed"  # study attribute: trial number -> its re-measure after the search (tuner.search.confirm)
 
 
 def remeasure_of(study: Any, number: int) -> dict[str, Any] | None:
@@ -130,7 +130,7 @@ def remeasure_of(study: Any, number: int) -> dict[str, Any] | None:
 
 
 def rows_from_study(study: Any) -> list[Row]:
-    """One row per trial; a trial re-measured after the search (tuner.confirm) is judged on that measure: its
+    """One row per trial; a trial re-measured after the search (tuner.search.confirm) is judged on that measure: its
     capacity, metrics, constraints (feasibility, slack) and cost are the re-measure's, its own capacity in
     `trial_capacity`."""
     rows = []
@@ -157,7 +157,7 @@ def legacy_rejudge(constraints: list[float] | None, capacity: dict[str, Any], na
     makes the trial infeasible ("SLO shown to hold" violated), whatever its trial said."""
     if constraints is None or capacity.get("verdict") == "meets":
         return constraints
-    from tuner.objective import UNDECIDED
+    from tuner.search.objective import UNDECIDED
 
     i = names.index(SHOWN_TO_HOLD) if SHOWN_TO_HOLD in names else None
     return [max(c, UNDECIDED) if i is None or k == i else c for k, c in enumerate(constraints)]
@@ -332,7 +332,7 @@ def miss_score(constraints: list[float]) -> float:
     return sum(c for c in constraints if c > 0 and math.isfinite(c))
 
 
-SHOWN_TO_HOLD = "SLO shown to hold"  # tuner.objective's indicator term: 0 for every feasible trial, never binding
+SHOWN_TO_HOLD = "SLO shown to hold"  # tuner.search.objective's indicator term: 0 for every feasible trial, never binding
 
 
 def binding(names: list[str], best: Row) -> dict[str, Any] | None:
@@ -349,7 +349,7 @@ def binding(names: list[str], best: Row) -> dict[str, Any] | None:
 
 def term_at(name: str, normalised: float, r: Row) -> dict[str, Any]:
     """One constraint term of `r` in its own unit: {term, value, limit, slack, unit, n, at_rps, text}."""
-    from tuner.capacity import capacity_point
+    from tuner.measure.capacity import capacity_point
 
     point = capacity_point(r.capacity or {}) or {}
     at = f" at {r.rps:.3g} req/s" if r.rps else ""
@@ -378,14 +378,14 @@ def term_at(name: str, normalised: float, r: Row) -> dict[str, Any]:
                             f"({100 * (got - target):.1f} pp slack, n={n}){at}")
             return out
     else:
-        from tuner.targets import parse_slo
+        from tuner.slo import parse_slo
 
         try:
             (b,) = parse_slo(name)
         except (TunerError, ValueError):
             b = None
         if b is not None:
-            from tuner.capacity import bound_value_at
+            from tuner.measure.capacity import bound_value_at
 
             v = bound_value_at(r.capacity or {}, b) if r.capacity else None
             if v is None:

@@ -2,7 +2,7 @@
 
 Open loop: each request is *scheduled* at its arrival time (Poisson / constant / trace) and handed to the engine
 as close to it as the harness can; closed loop: `concurrency` requests are kept in flight, a request being
-scheduled the moment a slot frees. Latencies count from the scheduled time (see tuner.metrics), and the gap
+scheduled the moment a slot frees. Latencies count from the scheduled time (see tuner.measure.metrics), and the gap
 between scheduled and actual hand-over is recorded as `dispatch_lag_ms`, so a harness that falls behind shows up
 in the figures instead of hiding queueing (coordinated omission).
 
@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from tuner.engines.base import Engine
-from tuner.metrics import RequestResult
-from tuner.workload import Request
+from tuner.measure.metrics import RequestResult
+from tuner.measure.workload import Request
 
 POLL_S = 0.05  # how often the run loop wakes without an event (time-out checks)
 

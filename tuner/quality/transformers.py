@@ -1,6 +1,6 @@
 """Quality of a transformers config (the registry's quality module for engine `transformers`): lm-eval on the very
 model object `load_model(config)` returns, the baseline the fp32 model of the same weights, the KLD over full
-distributions (tuner.kld); cached as tuner.quality describes."""
+distributions (tuner.quality.kld); cached as tuner.quality.gate describes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from tuner.config import TrialConfig, resolve_device
 from tuner.errors import UnsupportedConfig
-from tuner.quality_common import (
+from tuner.quality.common import (
     BASELINE,
     assemble_result,
     cache_key,
@@ -44,9 +44,9 @@ def check_inputs(config: TrialConfig, names: tuple[str, ...]) -> None:
 def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
                   progress: bool = True) -> Any:
     """QualityResult of `config` (tasks, drop and KLD vs the fp32 baseline, scored first), through the cache."""
-    from tuner.kld import score_kld
     from tuner.models import resolve_source, source_hash
-    from tuner.quality import score_quality as score_any
+    from tuner.quality.gate import score_quality as score_any
+    from tuner.quality.kld import score_kld
 
     t0 = time.perf_counter()
     model_hash = source_hash(resolve_source(config.model))
@@ -81,7 +81,7 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
 def screen_kld(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int, model_hash: str,
                progress: bool = True) -> tuple[Any, bool, dict[str, str]]:
     """The KLD alone (no lm-eval), through its cache: (KLDResult, cached, versions)."""
-    from tuner.kld import score_kld
+    from tuner.quality.kld import score_kld
 
     versions = library_versions(config.quant)
     kld, cached = score_kld(config, model_hash, kld_tokens, versions, progress)

@@ -31,7 +31,7 @@ one engine that is already started:
    alone repeats its prompt, on purpose: the same request before and after.)
 7. A probe stops early only when its verdict can no longer be anything but `misses` (every request still to
    finish counted as meeting the SLO): an exceeded bound is exceeded with confidence before the probe is cut.
-8. **The host's other load** (tuner.host): the CPU the host's other processes and its hypervisor took during
+8. **The host's other load** (tuner.measure.host): the CPU the host's other processes and its hypervisor took during
    each step (`host`: the canary cannot see a neighbour present from start to end; the CPU accounting can), said
    past 10%.
 9. **Measured again when the conditions moved** (`measure_capacity`): a canary drift or a busy host past 10% gets
@@ -43,7 +43,7 @@ Result (`metrics.capacity` of `tuner bench --capacity`, one trial's measure in `
 warmup, canary: {itl_ms: [start, after saturation, after each probe], n, at, drift}, host: {cpus, others_share,
 steal_share, own_share, busiest: {step, others_share, steal_share}, steps: [...]}, saturation, probes:
 [{rate_rps, n, ..., verdict}], cost: {requests, probes, wall_s}, notes, remeasured (when measured twice): {kept,
-attempts: [{requests_per_s, canary, ...}]}}`, and from tuner.bench `machine: {memory_bandwidth_gbs: [before,
+attempts: [{requests_per_s, canary, ...}]}}`, and from tuner.measure.bench `machine: {memory_bandwidth_gbs: [before,
 after] (CPU), drift}` (drift: the canary's).
 `requests_per_s` is the highest probed rate shown to meet the SLO (0 when none); the interval runs from it to the
 lowest rate above it shown to miss (or the saturation rate): each end decided at the SLO's confidence (a rate that
@@ -59,8 +59,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tuner.host import HOST_BUSY, Snapshot, busy_share, load_by_step, snapshot
-from tuner.metrics import RequestResult, compute_metrics, meets_slo
+from tuner.measure.host import HOST_BUSY, Snapshot, busy_share, load_by_step, snapshot
+from tuner.measure.metrics import RequestResult, compute_metrics, meets_slo
+from tuner.measure.workload import Request, with_arrivals
+from tuner.slo import SLO, Bound
 from tuner.stats import (
     INDETERMINATE,
     MEETS,
@@ -72,8 +74,6 @@ from tuner.stats import (
     min_samples_to_meet,
     proportion_bounds,
 )
-from tuner.targets import SLO, Bound
-from tuner.workload import Request, with_arrivals
 
 
 @dataclass(frozen=True)
@@ -334,7 +334,7 @@ def probe_summary(rate: float | None, results: list[RequestResult], duration_s: 
 
 class CapacitySearch:
     """Drives warm-up, saturation and rate probes through `run(requests, concurrency, timeout, should_stop)`,
-    a function that serves a list of requests on the started engine and returns a tuner.loadgen.LoadResult."""
+    a function that serves a list of requests on the started engine and returns a tuner.measure.loadgen.LoadResult."""
 
     def __init__(self, run: Callable[..., Any], pool: Sequence[Request], batch_cap: int, options: CapacityOptions,
                  log: Callable[[str], None] | None = None, start: int = 0,

@@ -11,13 +11,13 @@ already quote for a quantization (KLD, top-1 agreement, multiple-choice scores).
   llama.cpp scores each choice by the mean log-prob per token of `context + " " + choice` after the tokens all
   choices share, and picks the best: metric `acc_per_token` (lm-eval's acc sums the log-probs, acc_norm divides by
   bytes, so the figures are comparable across llama.cpp configs, not with a transformers `tuner eval`). The
-  per-item 0/1 values come from its running accuracy lines, so the paired comparison and the gate of tuner.quality
+  per-item 0/1 values come from its running accuracy lines, so the paired comparison and the gate of tuner.quality.gate
   apply unchanged. Tasks whose choices change the context (winogrande) cannot be written in that format: refused.
 * Baseline: the F32 GGUF of the same weights (llama-quantize from the model's GGUF) with an f32 KV cache.
 * KLD: `--kl-divergence-base` on the baseline over the held text (LAMBADA passages, 512-token chunks, the second half
   of each scored: 255 tokens), then `--kl-divergence` on the candidate; mean ± stderr, 99th percentile and "Same top
   p" (top-1 agreement) as llama.cpp prints them.
-* Cache: as tuner.quality, keyed by model hash, engine, weight type, KV type, tasks, limit, seed, KLD tokens and the
+* Cache: as tuner.quality.gate, keyed by model hash, engine, weight type, KV type, tasks, limit, seed, KLD tokens and the
   llama.cpp commit + lm-eval/datasets versions.
 """
 
@@ -35,8 +35,7 @@ from typing import Any
 
 from tuner.config import TrialConfig
 from tuner.errors import TunerError, UnsupportedConfig
-from tuner.kld import KLD_CTX, KLDResult, scored_per_chunk
-from tuner.quality_common import (
+from tuner.quality.common import (
     TaskScore,
     assemble_result,
     cache_path,
@@ -48,6 +47,7 @@ from tuner.quality_common import (
     store_result,
     write_json_atomic,
 )
+from tuner.quality.kld import KLD_CTX, KLDResult, scored_per_chunk
 
 BASELINE_QUANT, BASELINE_KV = "F32", "f32"
 METRIC = "acc_per_token"
@@ -68,7 +68,7 @@ class ChoiceTask:
 # ------------------------------------------------------------------------------------------------ items ---- #
 def choice_tasks(name: str, limit: int) -> list[ChoiceTask]:
     """lm-eval's own requests for the first `limit` documents of task `name` (context and continuations)."""
-    from tuner.evaldata import resolve_tasks, set_offline
+    from tuner.quality.evaldata import resolve_tasks, set_offline
 
     set_offline()
     from lm_eval.tasks import TaskManager, get_task_dict
@@ -226,7 +226,7 @@ def score_tasks(gguf: Path, kv_type: str, names: tuple[str, ...], limit: int, pr
 # ------------------------------------------------------------------------------------------------- KLD ---- #
 def held_text(kld_tokens: int) -> str:
     """LAMBADA passages joined by blank lines, comfortably more text than the scored chunks need."""
-    from tuner.evaldata import lambada_passages
+    from tuner.quality.evaldata import lambada_passages
 
     need_chars = 8 * KLD_CTX * n_chunks(kld_tokens)
     parts: list[str] = []

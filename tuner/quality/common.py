@@ -1,9 +1,9 @@
-"""What every quality scorer shares, below tuner.quality and tuner.kld: the result types, the cache (key, path,
+"""What every quality scorer shares, below tuner.quality.gate and tuner.quality.kld: the result types, the cache (key, path,
 read, atomic write, versions), lm-eval's suite run and the per-task/per-item scores, and the template's last steps
 (a cache hit as this call's result, a result assembled from scores + baseline + KLD, the entry stored).
 
-tuner.quality (inputs, dispatch to the engine's scorer, paired comparison, gate), tuner.kld and every
-tuner.quality_<engine> read these from here, so none of them imports another's helpers (no import circle).
+tuner.quality.gate (inputs, dispatch to the engine's scorer, paired comparison, gate), tuner.quality.kld and every
+tuner.quality.<engine> read these from here, so none of them imports another's helpers (no import circle).
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def run_suite(model: Any, tokenizer: Any, tasks: tuple[str, ...], limit: int, se
 def evaluate_suite(lm: Any, tasks: tuple[str, ...], limit: int, seed: int) -> tuple[TaskScore, ...]:
     """lm-eval's simple_evaluate on an lm-eval model object (HFLM, local-completions, ...), offline, fixed seed, with
     every item's value logged."""
-    from tuner.evaldata import resolve_tasks, set_offline
+    from tuner.quality.evaldata import resolve_tasks, set_offline
 
     set_offline()
     from lm_eval import simple_evaluate

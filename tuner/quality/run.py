@@ -1,6 +1,6 @@
 """One quality run's steps that `tuner eval` and an eval job (`python -m tuner.child --job FILE`) share: the
 gate's settings checked before anything runs, the scoring (gated on a budget, or plain with its paired
-comparison); and a whole eval job run, which prints `tuner eval`'s table (tuner.eval_report) into its log."""
+comparison); and a whole eval job run, which prints `tuner eval`'s table (tuner.quality.report) into its log."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tuner.errors import TunerError
 
 def check_eval_settings(max_quality_drop: Any, limit: Any, max_limit: Any, confidence: Any, max_kld: Any) -> None:
     """The gate's flags: `--max-limit` and `--max-kld` need a budget; every value in its range."""
-    from tuner.quality import check_confidence, check_gate_args
+    from tuner.quality.gate import check_confidence, check_gate_args
 
     if max_quality_drop is None:
         for flag, value in (("--max-limit", max_limit), ("--max-kld", max_kld)):
@@ -31,7 +31,7 @@ def evaluate(config: TrialConfig, tasks: Any, limit: int, seed: int, *, max_qual
              ) -> dict[str, Any]:
     """The quality result as `tuner eval --json` writes it (without `wall_s`): gated when there is a budget,
     else the score with its paired comparison."""
-    from tuner.quality import gated_quality, paired_comparison, score_quality
+    from tuner.quality.gate import gated_quality, paired_comparison, score_quality
 
     if max_quality_drop is None:
         result = score_quality(config, tasks, limit, seed, kld_tokens=kld_tokens)
@@ -45,9 +45,9 @@ def evaluate(config: TrialConfig, tasks: Any, limit: int, seed: int, *, max_qual
 def run_eval_job(job: Any) -> int:
     """A `tuner.job.EvalJob`: score, write its result JSON (atomically) to `job.out_path`, and print the table
     `tuner eval` prints for it (the child's stdout is the trial's quality.log); the exit code."""
-    from tuner.eval_report import format_table
-    from tuner.evaldata import set_offline
     from tuner.files import write_json_atomic
+    from tuner.quality.evaldata import set_offline
+    from tuner.quality.report import format_table
 
     t0 = time.perf_counter()
     check_eval_settings(job.max_quality_drop, job.limit, job.max_limit, job.confidence, job.max_kld)

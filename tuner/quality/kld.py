@@ -12,7 +12,7 @@ tool measures it (`--kl-divergence-base` / `--kl-divergence`):
 The candidate's log-probs are put on the same 16-bit grid before the difference is taken, so a model compared
 with itself gives exactly 0 (not the quantization noise of the stored reference).
 
-Caching (under tuner.quality's results folder): the fp32 reference of a model (`reference-*.npz`, shared by every
+Caching (under tuner.quality.gate's results folder): the fp32 reference of a model (`reference-*.npz`, shared by every
 format) and each format's KLD result (`kld-<format>-*.json`), so `tuner eval --max-kld` can screen a format in
 seconds before any lm-eval task runs, and a later full score reuses the number.
 """
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from tuner.errors import TunerError
-from tuner.quality_common import BASELINE, SCHEMA, digest, read_cache, results_dir, write_json_atomic
+from tuner.quality.common import BASELINE, SCHEMA, digest, read_cache, results_dir, write_json_atomic
 
 KLD_CTX = 512  # llama.cpp perplexity default context
 LP_FLOOR = 16.0  # reference log-probs below -LP_FLOOR are skipped
@@ -67,7 +67,7 @@ def scored_per_chunk(ctx: int = KLD_CTX) -> int:
 
 def held_chunks(tokenizer: Any, n_tokens: int, ctx: int = KLD_CTX) -> np.ndarray:
     """Token chunks [n_chunks, ctx] of LAMBADA passages (joined by blank lines) covering `n_tokens` scored tokens."""
-    from tuner.evaldata import lambada_passages
+    from tuner.quality.evaldata import lambada_passages
 
     if not 0 < n_tokens <= MAX_KLD_TOKENS:
         raise TunerError(f"KLD token count {n_tokens!r} is invalid: expected an integer in [1, {MAX_KLD_TOKENS}]")

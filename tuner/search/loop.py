@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from tuner.errors import TunerError, one_line
-from tuner.objective import SearchContext, TrialFailed, constraint_names, objective, quality_key
-from tuner.study import answer, open_storage, rows_from_study, trials_csv
+from tuner.search.answer import answer, open_storage, rows_from_study, trials_csv
+from tuner.search.objective import SearchContext, TrialFailed, constraint_names, objective, quality_key
 
 DIRECTIONS = ["maximize", "maximize"]  # capacity (req/s within the SLO), quality score
 LOCK_SUFFIX = ".tuner-lock"
@@ -109,7 +109,7 @@ def no_repeat_tpe(base: type) -> type:
     proposing configurations already measured -- each a full capacity measurement that adds nothing. Candidates all
     of whose configurations were measured (trials COMPLETE, PRUNED, RUNNING, or FAIL: a configuration that ran out of
     memory, crashed or timed out fails again; not one whose trial was interrupted, `interrupted`;
-    tuner.space.all_measured) get an
+    tuner.search.space.all_measured) get an
     acquisition of -inf, so TPE takes its best *new* candidate; when every candidate is old, one of the values not
     yet exhausted is drawn at random; a start-up (random) draw that repeats one is drawn again the same way. A space
     with every configuration measured gets a repeat (nothing new is left). Overrides TPE's private `_sample` and
@@ -118,7 +118,7 @@ def no_repeat_tpe(base: type) -> type:
     from optuna.distributions import CategoricalDistribution, IntDistribution
     from optuna.trial import TrialState
 
-    from tuner.space import all_measured, config_key
+    from tuner.search.space import all_measured, config_key
 
     def finite_values(dist: Any) -> list[Any] | None:
         if isinstance(dist, CategoricalDistribution):
@@ -221,7 +221,7 @@ def fail_trial(study: Any, trial: Any, reason: str) -> None:
 # ---------------------------------------------------------------------------------------------- lock --- #
 def sqlalchemy_url(url: str) -> str:
     """`postgresql://` with psycopg2 when psycopg (v3, SQLAlchemy 2.1's default driver) is missing, as
-    `tuner.study.open_storage` does."""
+    `tuner.search.answer.open_storage` does."""
     import importlib.util
 
     if url.startswith(("postgresql://", "postgres://")) and importlib.util.find_spec("psycopg") is None \
@@ -358,10 +358,10 @@ def open_study(ctx: SearchContext, storage_url: str, name: str, seed: int, n_tri
 
 def enqueue_start(study: Any, space: Any, seed: int, n_trials: int) -> None:
     """A new study's first trials: the engine default (the baseline), every other engine's default in a study
-    across engines, then the format sweep at the top of the increasing knobs (tuner.space.startup_sweep) when the
+    across engines, then the format sweep at the top of the increasing knobs (tuner.search.space.startup_sweep) when the
     whole sweep fits in half of the trials left (a short search, like `make demo`'s 8 trials on 6 formats, has none:
     a format that serves slowly at the top batch cap takes a whole capacity budget)."""
-    from tuner.space import startup_sweep
+    from tuner.search.space import startup_sweep
 
     study.enqueue_trial(dict(space.baseline), user_attrs={"baseline": True})
     for other in space.engines[1:]:  # across engines: every engine's default is measured first
@@ -510,8 +510,8 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
     from tqdm import tqdm
 
     from tuner.child import set_memory_limit
-    from tuner.space import suggest_config
-    from tuner.targets import parse_duration_s
+    from tuner.search.space import suggest_config
+    from tuner.slo import parse_duration_s
 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -633,7 +633,7 @@ def remeasure_s(trials: list[Any], me: str, since: Any) -> float:
 
 def confirm_pick(study: Any, ctx: SearchContext, lock: StorageLock, me: str, progress: bool,
                  left_s: float | None = None, since: Any = None, timeout: str | None = None) -> None:
-    """Re-measure the pick after the last trial (tuner.confirm), by one worker, when no trial is running: a
+    """Re-measure the pick after the last trial (tuner.search.confirm), by one worker, when no trial is running: a
     measurement beside another trial on the same machine would not be the figure the user gets. With `left_s` of
     --timeout left and less than one re-measure's expected time, none starts: the answer says the figure is the
     trial's own (study attribute `confirm_skipped`)."""
@@ -651,7 +651,7 @@ def confirm_pick(study: Any, ctx: SearchContext, lock: StorageLock, me: str, pro
             return
     with lock:
         study.set_user_attr("confirm_skipped", None)
-    from tuner.confirm import confirm_best
+    from tuner.search.confirm import confirm_best
 
     with lock:
         fail_dead_trials(study)

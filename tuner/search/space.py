@@ -45,7 +45,7 @@ DEFAULTS: dict[str, Any] = {"quant": "bf16", "batch_cap": 1, "kv_fraction": 0.05
 ENGINE_BASELINE: dict[str, dict[str, Any]] = {name: {"quant": b.baseline_quant} for name, b in ENGINES.items()}
 TOP_KEYS = {"knobs", "baseline", "workload", "quality", "capacity", "description", "engine"}
 CAPACITY_KEYS = {"probe_requests", "max_probes", "timeout", "saturation_requests"}
-SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
 
 
 @dataclass(frozen=True)

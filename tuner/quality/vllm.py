@@ -3,12 +3,12 @@
 * Tasks: lm-eval's own `local-completions` model (prompt log-probs with `echo`, token-id prompts) pointed at a vLLM
   server launched exactly as the bench launches it (tuner.engines.vllm), on the `evals/` tasks with the same items,
   seed and metrics as the transformers path (acc_norm / acc), so the score is of the engine, kernels and dtype
-  actually served. Per-item values from lm-eval's logged samples, so tuner.quality's paired comparison and gate
+  actually served. Per-item values from lm-eval's logged samples, so tuner.quality.gate's paired comparison and gate
   apply unchanged.
 * Baseline: the fp32 model served by the same vLLM (dtype float32).
 * KLD (an approximation, stated): vLLM returns the top-`TOP_K` log-probs per prompt position (`echo` +
   `logprobs`), not the full distribution. On the held text (LAMBADA, 512-token chunks, second half scored, as
-  tuner.kld), KL(P_ref || Q) is summed over the reference's top-K tokens; a token missing from the candidate's top-K
+  tuner.quality.kld), KL(P_ref || Q) is summed over the reference's top-K tokens; a token missing from the candidate's top-K
   gets the candidate's K-th log-prob (an upper bound on its probability, so that term is underestimated). Top-1
   agreement is exact.
 """
@@ -25,8 +25,7 @@ import numpy as np
 
 from tuner.config import TrialConfig
 from tuner.errors import TunerError
-from tuner.kld import KLD_CTX, KLDResult, held_chunks, scored_per_chunk
-from tuner.quality_common import (
+from tuner.quality.common import (
     assemble_result,
     cache_path,
     cached_result,
@@ -38,6 +37,7 @@ from tuner.quality_common import (
     store_result,
     write_json_atomic,
 )
+from tuner.quality.kld import KLD_CTX, KLDResult, held_chunks, scored_per_chunk
 
 BASELINE_QUANT = "fp32"
 TOP_K = 20
@@ -83,12 +83,12 @@ def prompt_topk(base_url: str, model_name: str, chunk: list[int],
 
 def served_topk(base_url: str, model_name: str, chunks: np.ndarray,
                 headers: dict[str, str] | None = None) -> list[dict[int, float]]:
-    """The scored positions (second half of every chunk, as tuner.kld) of every chunk, in order."""
+    """The scored positions (second half of every chunk, as tuner.quality.kld) of every chunk, in order."""
     n = scored_per_chunk()
     out: list[dict[int, float]] = []
     for chunk in chunks:
         dists, _ = prompt_topk(base_url, model_name, [int(t) for t in chunk], headers)
-        # dists[j] predicts token j+1; tuner.kld scores predictions of tokens ctx/2+1 .. ctx-1
+        # dists[j] predicts token j+1; tuner.quality.kld scores predictions of tokens ctx/2+1 .. ctx-1
         out.extend(dists[KLD_CTX // 2: KLD_CTX // 2 + n])
     return out
 
@@ -176,7 +176,7 @@ def check_inputs(config: TrialConfig, names: tuple[str, ...]) -> None:
 def screen_kld(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int, model_hash: str,
                progress: bool = True) -> tuple[KLDResult, bool, dict[str, str]]:
     """The top-K KLD comes with the endpoint's scoring: the whole score (cached), its KLD figures."""
-    from tuner.quality import score_quality as score_any
+    from tuner.quality.gate import score_quality as score_any
 
     res = score_any(config, names, limit, seed, kld_tokens=kld_tokens, progress=progress)
     return (KLDResult(res.kld_mean, res.kld_mean_stderr, res.kld_p99, res.top1_agree, res.kld_tokens), res.cached,

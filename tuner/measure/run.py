@@ -1,7 +1,7 @@
 """One bench run's steps that `tuner bench` and a bench job (`python -m tuner.child --job FILE`) share: the
 model sources checked before anything loads, the result made final (an unsupported configuration is the user's
 error; the token ids stay in the process), its exit code; and a whole bench job run, which prints
-`tuner bench`'s report (tuner.bench_report) into its log."""
+`tuner bench`'s report (tuner.measure.report) into its log."""
 
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ def run_bench_job(job: Any) -> int:
     `tuner bench` prints for it (the child's stdout is the trial's bench.log); the exit code."""
     from transformers.utils import logging as hf_logging
 
-    from tuner.bench import BenchOptions, run_bench
-    from tuner.bench_report import format_report
     from tuner.files import write_json_atomic
+    from tuner.measure.bench import BenchOptions, run_bench
+    from tuner.measure.report import format_report
 
     check_sources(job.config)
     hf_logging.disable_progress_bar()  # a job runs quiet, as `tuner bench --quiet`

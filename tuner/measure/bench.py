@@ -2,7 +2,7 @@
 the model with its format, a server engine prepares its argv), start it, warm it up with
 requests drawn from the workload itself (at the batch cap; errors surfaced, excluded from every statistic), serve
 the workload -- or, with `BenchOptions.capacity`, find the highest rate it sustains within the SLO
-(tuner.capacity) -- and return `{config, metrics, engine, environment, workload, requests, status, reason}`.
+(tuner.measure.capacity) -- and return `{config, metrics, engine, environment, workload, requests, status, reason}`.
 
 A run never raises for what is data: an unsupported format, a load failure, an engine that dies or returns zero
 tokens all come back as status "failed" (or "unsupported") with a one-line reason. Bad user input raises TunerError
@@ -21,8 +21,8 @@ from typing import Any
 
 from tuner.config import TrialConfig, resolve_device
 from tuner.errors import TunerError, UnsupportedConfig, one_line
-from tuner.metrics import RequestResult, compute_metrics
-from tuner.workload import WorkloadSpec, build_workload
+from tuner.measure.metrics import RequestResult, compute_metrics
+from tuner.measure.workload import WorkloadSpec, build_workload
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class BenchOptions:
     progress: bool = True
     log_path: Any = None  # a server engine's log (its last lines become the failure reason)
     keep_requests: bool = True  # per-request results in the output (latency distributions)
-    capacity: Any = None  # tuner.capacity.CapacityOptions: measure capacity instead of one fixed load
+    capacity: Any = None  # tuner.measure.capacity.CapacityOptions: measure capacity instead of one fixed load
 
 
 class PeakMemory:
@@ -123,7 +123,7 @@ class PeakMemory:
 def memory_bandwidth() -> float:
     """The host's memory bandwidth now (GB/s): decoding a small model on CPU is bound by it, and a shared host's
     moves with its other tenants' traffic (by a third within a minute on the 2-core VM this was built on)."""
-    from tuner.roofline import measure_bandwidth_gbs
+    from tuner.measure.roofline import measure_bandwidth_gbs
 
     return measure_bandwidth_gbs(size_mb=256, repeats=9)
 
@@ -210,7 +210,7 @@ def run_bench(
 ) -> dict[str, Any]:
     """Measure `config` under `options.workload`. See module docstring for the failure contract."""
     from tuner.engines.registry import backend
-    from tuner.loadgen import run_load
+    from tuner.measure.loadgen import run_load
     from tuner.quantize import unsupported_reason
 
     options = options or BenchOptions()
@@ -262,7 +262,7 @@ def run_bench(
             engine.start()
             out["engine"]["info"] = engine.info()
             if options.capacity is not None:
-                from tuner.capacity import measure_capacity
+                from tuner.measure.capacity import measure_capacity
 
                 capacity = measure_capacity(serve, requests, config.batch_cap, options.capacity, log=progress_log())
                 load = None
@@ -281,7 +281,7 @@ def run_bench(
             # drain only a run that ended normally; an error or Ctrl-C abandons what is in flight
             engine.stop(drain=load_done and not (load is not None and load.stopped_reason))
     if load is None:
-        from tuner.capacity import machine_drift
+        from tuner.measure.capacity import machine_drift
 
         capacity["machine"] = machine_drift(bandwidth_before, memory_bandwidth() if host else None,
                                             capacity.get("canary"))
@@ -291,7 +291,7 @@ def run_bench(
         except Exception as e:  # the reference run is extra evidence: its failure is said, not fatal
             capacity["draft_effect"] = {"error": f"no-draft reference failed: {one_line(e)}"}
     if load is None:
-        from tuner.capacity import capacity_point
+        from tuner.measure.capacity import capacity_point
 
         point = capacity_point(capacity) or capacity["saturation"]
         metrics = {k: point.get(k) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "dispatch_lag_ms",
@@ -307,10 +307,10 @@ def run_bench(
     metrics["decode_tokens_per_s_per_seq"] = 1e3 / tpot_mean if tpot_mean else None
     bandwidth = None
     if options.measure_bandwidth:
-        from tuner.roofline import measure_bandwidth_gbs
+        from tuner.measure.roofline import measure_bandwidth_gbs
 
         bandwidth = measure_bandwidth_gbs(device=device)
-    from tuner.roofline import bytes_per_token, roofline
+    from tuner.measure.roofline import bytes_per_token, roofline
 
     weights = engine.weights_bytes() if model is None else bytes_per_token(model)
     metrics["roofline"] = roofline(weights, metrics["decode_tokens_per_s_per_seq"], bandwidth)
@@ -334,9 +334,9 @@ def draft_effect(model: Any, tokenizer: Any, config: TrialConfig, options: Bench
                  capacity: dict[str, Any]) -> dict[str, Any]:
     """A draft's effect, measured fairly: the saturation throughput of the same assisted-generation engine (same
     weights, same number of batch-1 decoders, same prompts) without the draft, next to the draft run's own."""
-    from tuner.capacity import CapacitySearch
     from tuner.engines.registry import backend
-    from tuner.loadgen import run_load
+    from tuner.measure.capacity import CapacitySearch
+    from tuner.measure.loadgen import run_load
 
     ref = backend(config.engine).engine().without_draft(config, model, tokenizer, options.ignore_eos)
     ref.start()
@@ -379,7 +379,7 @@ def harness_check(results: list[RequestResult], timings: dict[str, dict[str, Any
 def warm_up(serve: Callable[..., Any], requests: list[Any], batch_cap: int) -> dict[str, Any]:
     """Serve `requests` (drawn from the workload) in a closed loop at the batch cap before anything is timed.
     Errors are surfaced: when every warm-up request fails the engine is not serving, and the run fails."""
-    from tuner.workload import with_arrivals
+    from tuner.measure.workload import with_arrivals
 
     reqs = with_arrivals(list(requests), None, "poisson", 0)
     load = serve(reqs, batch_cap, 600.0, None)

@@ -34,7 +34,7 @@ def capacity_has_point(c: dict[str, Any]) -> bool:
 
 
 def format_capacity(c: dict[str, Any]) -> list[str]:
-    from tuner.capacity import describe_conditions
+    from tuner.measure.capacity import describe_conditions
 
     lo, hi = c["requests_per_s_ci"]
     slo = c["slo"]

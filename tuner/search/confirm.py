@@ -3,14 +3,14 @@
 The best of N noisy measurements is biased upward (the winner's curse): the trial that wins is, among near-equal
 configurations, the one whose measurement happened to run high. A fresh measurement of the winner, made after the
 search with nothing selected on it, is an unbiased figure of what the user will get; it is the one the answer
-reports. The re-measure is judged the way its trial was (tuner.objective.slo_constraints: every SLO term at the
+reports. The re-measure is judged the way its trial was (tuner.search.objective.slo_constraints: every SLO term at the
 re-measure's capacity point, "SLO shown to hold"; the quality term is the weights', which a re-measure does not
 change) and its cost is the re-measure's: a pick whose re-measure meets the SLO at no rate (capacity 0, verdict
 misses or indeterminate) is infeasible and not recommended on its trial's figure. When the re-measured pick falls
 below another feasible trial (or out of the feasible set), that trial is re-measured too, up to `max_measures`;
 when the budget is spent with the first-ranked trial not re-measured, no configuration is confirmed (said).
 
-Confirmations are a study user attribute (tuner.study.CONFIRMED: trial number -> {capacity, metrics, constraints,
+Confirmations are a study user attribute (tuner.search.answer.CONFIRMED: trial number -> {capacity, metrics, constraints,
 cost_per_million_tokens, wall_s}), so every worker, the dashboard and `tuner export` see them; the trial's own
 figure stays on the trial.
 """
@@ -21,9 +21,9 @@ import time
 from typing import Any
 
 from tuner.config import TrialConfig
-from tuner.objective import SearchContext, cost_per_million, measure, slo_constraints
+from tuner.search.answer import CONFIRMED, Row, rows_from_study, why_not
+from tuner.search.objective import SearchContext, cost_per_million, measure, slo_constraints
 from tuner.stats import INDETERMINATE
-from tuner.study import CONFIRMED, Row, rows_from_study, why_not
 
 
 def next_to_confirm(rows: list[Row]) -> Row | None:
