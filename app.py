@@ -3,8 +3,9 @@
 Reads an Optuna storage written by `tuner search` (default sqlite:///results/tuner.db, or $TUNER_STORAGE) and shows
 a study's Pareto view (capacity vs quality), the latency-load curves of chosen trials, its trials, one trial in
 detail, why the recommendation was made, and the selected trial's serving configs. While a search runs, the page
-reloads when trials start or finish. Layout only: the data shaping lives in tuner/dashboard/data.py and, for capacity
-(curves, capacity summaries), tuner/dashboard/curves.py.
+reloads when trials start or finish. Layout only: the data shaping lives in tuner/dashboard/ (data.py: the storage;
+study.py: a study and its trials; fields.py, figures.py: chart fields and points; views.py: table, hover, detail;
+why.py: the answer; exports.py; curves.py: capacity curves and the Plotly figures).
 """
 
 from __future__ import annotations
@@ -18,11 +19,26 @@ from typing import Any
 import streamlit as st
 
 from tuner.dashboard import curves
-from tuner.dashboard import data as dash
+from tuner.dashboard.data import display_url, open_storage_readonly, sqlite_path, storage_from_argv
+from tuner.dashboard.exports import config_json, exports
+from tuner.dashboard.fields import axis_fields, default_axes, direction, field_label
+from tuner.dashboard.figures import chart_points, pareto_line, quality_range, target_lines
+from tuner.dashboard.study import (
+    StudyInfo,
+    TrialView,
+    bound_lines,
+    has_capacity,
+    signature,
+    state_counts,
+    study_info,
+    trial_views,
+)
+from tuner.dashboard.views import config_text, detail, ecdf, filter_rows, first_line, latency_samples, table_rows
+from tuner.dashboard.why import constraint_table, latency_at, param_importances, recommended_number, study_answer, why
 
 st.set_page_config(page_title="tuner dashboard", layout="wide")  # no page_icon: a material one is fetched online
 
-STORAGE = dash.storage_from_argv(sys.argv[1:], os.environ)
+STORAGE = storage_from_argv(sys.argv[1:], os.environ)
 SEARCH_HINT = ("Run a search first, e.g. `tuner search --model smollm2-135m --latency-target 3s`, or point the "
                "dashboard at another storage: `tuner dashboard --storage URL`.")
 
@@ -33,7 +49,7 @@ def storage(url: str) -> Any:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return dash.open_storage_readonly(url)  # a TunerError is not cached: a file created later is picked up
+    return open_storage_readonly(url)  # a TunerError is not cached: a file created later is picked up
 
 
 def study_names(url: str) -> list[str]:
@@ -55,7 +71,7 @@ def page_signature(url: str, name: str | None) -> Any:
         names = study_names(url)
         if name not in names:
             return ("studies", tuple(names))
-        return ("trials", tuple(names), dash.signature(load(url, name)[1]))
+        return ("trials", tuple(names), signature(load(url, name)[1]))
     except Exception as e:  # a missing or locked database is retried at the next check
         return ("error", f"{type(e).__name__}: {e}")
 
@@ -64,20 +80,20 @@ def page_signature(url: str, name: str | None) -> Any:
 def sidebar() -> str | None:
     """The study to show (None, with a friendly message, when there is none)."""
     st.sidebar.title("tuner")
-    st.sidebar.caption(f"storage `{dash.display_url(STORAGE)}`")
+    st.sidebar.caption(f"storage `{display_url(STORAGE)}`")
     try:
         names = study_names(STORAGE)
     except Exception as e:  # TunerError (missing file, bad URL), or the database refusing a read right now
         st.sidebar.warning("no storage yet")
-        path = dash.sqlite_path(STORAGE)
+        path = sqlite_path(STORAGE)
         if path is not None and not path.is_file():
             st.info(f"No study database at `{path}` yet. {SEARCH_HINT}", icon=":material/info:")
         else:
-            msg = dash.first_line(str(e)) or type(e).__name__
+            msg = first_line(str(e)) or type(e).__name__
             st.info(f"The storage cannot be read: {msg}. {SEARCH_HINT}", icon=":material/info:")
         return None
     if not names:
-        st.info(f"The storage `{dash.display_url(STORAGE)}` has no study yet. {SEARCH_HINT}",
+        st.info(f"The storage `{display_url(STORAGE)}` has no study yet. {SEARCH_HINT}",
                 icon=":material/info:")
         return None
     wanted = st.query_params.get("study")
@@ -110,7 +126,7 @@ def live_controls(name: str | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the study --- #
-def header(info: dash.StudyInfo, views: list[dash.TrialView], rec: int | None) -> None:
+def header(info: StudyInfo, views: list[TrialView], rec: int | None) -> None:
     st.title(f"{info.name}")
     bits = [f"model **{info.model}**" if info.model else None,
             f"target **{info.primary}**" if info.primary else None,
@@ -118,7 +134,7 @@ def header(info: dash.StudyInfo, views: list[dash.TrialView], rec: int | None) -
             f"quality budget **{info.max_quality_drop:g} pp**" if isinstance(info.max_quality_drop, (int, float))
             else None]
     st.markdown(" · ".join(b for b in bits if b) or "a study not written by `tuner search`")
-    c = dash.state_counts(views)
+    c = state_counts(views)
     cols = st.columns(6)
     cols[0].metric("trials", c["trials"])
     cols[1].metric("complete", c["COMPLETE"])
@@ -131,18 +147,18 @@ def header(info: dash.StudyInfo, views: list[dash.TrialView], rec: int | None) -
         if best is not None:
             figure = (f"capacity **{curves.capacity_text(best.capacity)}**" if best.capacity else
                       f"**{best.tok_s:.2f} output tok/s**")
-            st.success(f"Recommended: **trial {rec}** — {dash.config_text(best.row.config)} — {figure}"
+            st.success(f"Recommended: **trial {rec}** — {config_text(best.row.config)} — {figure}"
                        + (f" — engine {best.engine_label}" if best.engine_label else ""), icon=":material/star:")
-    if not dash.has_capacity(views):
+    if not has_capacity(views):
         st.caption(curves.LEGACY_NOTE)
 
 
-def trial_label(v: dash.TrialView) -> str:
+def trial_label(v: TrialView) -> str:
     """What never changes about a trial (the browser keeps showing the label a selection was made with)."""
-    return f"#{v.number} · {dash.config_text(v.row.config)}" + (" · baseline" if v.baseline else "")
+    return f"#{v.number} · {config_text(v.row.config)}" + (" · baseline" if v.baseline else "")
 
 
-def trial_status(v: dash.TrialView, rec: int | None) -> str:
+def trial_status(v: TrialView, rec: int | None) -> str:
     tags = [v.state.lower()]
     if v.state == "COMPLETE":
         tags.append("feasible" if v.feasible else "infeasible")
@@ -151,7 +167,7 @@ def trial_status(v: dash.TrialView, rec: int | None) -> str:
     return ", ".join(tags)
 
 
-def select_trial(views: list[dash.TrialView], rec: int | None) -> dash.TrialView:
+def select_trial(views: list[TrialView], rec: int | None) -> TrialView:
     views = [v for v in views if v.row.config] or views  # a trial gets its config as soon as it starts
     numbers = [v.number for v in views]
     by_number = {v.number: v for v in views}
@@ -186,39 +202,39 @@ def pick_from_table() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ sections --- #
-def pareto_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | None) -> None:
-    fields = dash.axis_fields(views, info)
+def pareto_tab(views: list[TrialView], info: StudyInfo, rec: int | None) -> None:
+    fields = axis_fields(views, info)
     if not fields:
         st.info("No trial has metrics yet.")
         return
-    default_x, default_y = dash.default_axes(fields, info, dash.has_capacity(views))
+    default_x, default_y = default_axes(fields, info, has_capacity(views))
     for key in (f"x_axis_{info.name}", f"y_axis_{info.name}"):  # a field this study no longer offers
         if key in st.session_state and st.session_state[key] not in fields:
             del st.session_state[key]
     c1, c2 = st.columns(2)  # keys per study: each study opens on its own default axes
-    x = c1.selectbox("x axis", fields, index=fields.index(default_x), format_func=dash.field_label,
+    x = c1.selectbox("x axis", fields, index=fields.index(default_x), format_func=field_label,
                      key=f"x_axis_{info.name}")
-    y = c2.selectbox("y axis", fields, index=fields.index(default_y), format_func=dash.field_label,
+    y = c2.selectbox("y axis", fields, index=fields.index(default_y), format_func=field_label,
                      key=f"y_axis_{info.name}")
-    points = dash.chart_points(views, x, y, info, rec)
-    front = dash.pareto_line(points, dash.direction(x), dash.direction(y))
-    fig = curves.pareto_figure(points, front, dash.target_lines(info, x, y), dash.field_label(x), dash.field_label(y))
+    points = chart_points(views, x, y, info, rec)
+    front = pareto_line(points, direction(x), direction(y))
+    fig = curves.pareto_figure(points, front, target_lines(info, x, y), field_label(x), field_label(y))
     st.plotly_chart(fig, key="pareto_chart", on_select=pick_from_chart, selection_mode="points",
                     config={"displaylogo": False})
     n_front = len(front)
     bars = any(p["x_err"] or p["y_err"] for p in points)
     st.caption(f"{len(points)} of {len(views)} trials plotted (trials without both values are left out) · "
-               f"colour = quality score" + ("" if dash.quality_range(points) else " (not scored: grey)") + " · "
+               f"colour = quality score" + ("" if quality_range(points) else " (not scored: grey)") + " · "
                + ("error bars: capacity and latency CIs, quality ± stderr · " if bars else "")
                + (f"{n_front} trial(s) on the feasible front of these two axes" if front else
-                  "no front for these axes" if dash.direction(x) is None or dash.direction(y) is None else
+                  "no front for these axes" if direction(x) is None or direction(y) is None else
                   "no feasible trial yet"))
 
 
-def curves_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | None) -> None:
+def curves_tab(views: list[TrialView], info: StudyInfo, rec: int | None) -> None:
     have = curves.curve_trials(views)
     if not have:
-        st.info("No latency-load curves: " + (curves.LEGACY_NOTE if not dash.has_capacity(views) else
+        st.info("No latency-load curves: " + (curves.LEGACY_NOTE if not has_capacity(views) else
                                               "no trial has capacity probes yet."), icon=":material/info:")
         return
     by_number = {v.number: v for v in views}
@@ -231,7 +247,7 @@ def curves_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | Non
         st.info("Choose trials to compare.")
         return
     shown = [curves.latency_curve(by_number[n], field) for n in chosen]
-    limits = curves.slo_limits(dash.bound_lines(info), field)
+    limits = curves.slo_limits(bound_lines(info), field)
     with st.container(key="load_curves"):
         st.plotly_chart(curves.latency_figure(shown, field, limits), key="latency_load_chart",
                         config={"displaylogo": False})
@@ -248,17 +264,17 @@ def curves_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | Non
                "up and flattens at saturation (dotted: the closed-loop saturation measured before the probes)")
 
 
-def trials_tab(views: list[dash.TrialView], info: dash.StudyInfo, rec: int | None, study: str) -> None:
+def trials_tab(views: list[TrialView], info: StudyInfo, rec: int | None, study: str) -> None:
     from tuner.search.answer import trials_csv
 
-    rows = dash.table_rows(views, info, rec)
+    rows = table_rows(views, info, rec)
     formats = sorted({r["quant"] for r in rows if r["quant"]})
     states = sorted({r["state"] for r in rows})
     c1, c2, c3 = st.columns([2, 1, 2])  # an empty selection means all (new formats and states included)
     fmts = c1.multiselect("Format", formats, key="f_formats", placeholder="all formats")
     feas = c2.selectbox("Feasibility", ["all", "feasible", "infeasible"], key="f_feasible")
     sts = c3.multiselect("State", states, key="f_states", placeholder="all states")
-    shown = dash.filter_rows(rows, fmts or None, feas, sts or None)
+    shown = filter_rows(rows, fmts or None, feas, sts or None)
     st.session_state["_table_numbers"] = [r["number"] for r in shown]
     st.caption(f"{len(shown)} of {len(rows)} trials shown · click a column header to sort, a row to select it")
     cc = st.column_config
@@ -296,10 +312,10 @@ CONSTRAINT_COLUMNS = {"value": st.column_config.NumberColumn("value (≤ 0 satis
                       "slack": st.column_config.NumberColumn("slack", format="%.2f")}
 
 
-def detail_tab(v: dash.TrialView, info: dash.StudyInfo) -> None:
+def detail_tab(v: TrialView, info: StudyInfo) -> None:
     import plotly.graph_objects as go
 
-    d = dash.detail(v)
+    d = detail(v)
     st.subheader(f"Trial {v.number} — {v.state}" + (" (baseline)" if v.baseline else ""))
     if d["reason"]:
         (st.error if v.state == "FAIL" else st.warning)(f"{v.state.lower()}: {d['reason']}")
@@ -322,14 +338,14 @@ def detail_tab(v: dash.TrialView, info: dash.StudyInfo) -> None:
         else:
             st.caption("no speculative draft (acceptance rate does not apply)")
     with right:
-        samples = dash.latency_samples(v.requests)
+        samples = latency_samples(v.requests)
         if any(samples.values()):
             fig = go.Figure()
             for key, name, col in (("ttft_ms", "TTFT", "#1f77b4"), ("e2e_ms", "E2E", "#ff7f0e")):
-                xs, ys = dash.ecdf(samples[key])
+                xs, ys = ecdf(samples[key])
                 fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", line_shape="hv", name=name,
                                          line={"color": col}))
-            for line in dash.target_lines(info, "ttft_ms.p99", "e2e_ms.p99"):  # a TTFT/E2E target on this scale
+            for line in target_lines(info, "ttft_ms.p99", "e2e_ms.p99"):  # a TTFT/E2E target on this scale
                 biggest = max(samples["ttft_ms"] + samples["e2e_ms"])
                 if line["value"] <= 2 * biggest:
                     fig.add_vline(line["value"], line_dash="dash", line_color="#d62728",
@@ -344,7 +360,7 @@ def detail_tab(v: dash.TrialView, info: dash.StudyInfo) -> None:
             st.info("No per-request latencies recorded for this trial.")
         if d["percentiles"]:
             st.markdown("**Latency**" + (" at the capacity point (CI: distribution-free 95%)" if v.capacity else ""))
-            st.dataframe(dash.percentile_rows(v.row.metrics), hide_index=True, width="stretch",
+            st.dataframe(curves.percentile_rows(v.row.metrics), hide_index=True, width="stretch",
                          column_config={s: st.column_config.NumberColumn(s, format="%.1f")
                                         for s in ("p50", "p90", "p95", "p99", "mean")})
         if d["tasks"]:
@@ -366,11 +382,11 @@ def detail_tab(v: dash.TrialView, info: dash.StudyInfo) -> None:
             st.code("\n".join(str(x) for x in d["failed_requests"]), language=None)
     if d["constraints"] is not None:
         st.markdown("**Constraints** (≤ 0 is satisfied)")
-        st.dataframe(dash.constraint_table(info.constraint_names, d["constraints"]), hide_index=True,
+        st.dataframe(constraint_table(info.constraint_names, d["constraints"]), hide_index=True,
                      column_config=CONSTRAINT_COLUMNS)
 
 
-def capacity_block(v: dash.TrialView, d: dict[str, Any], info: dash.StudyInfo) -> None:
+def capacity_block(v: TrialView, d: dict[str, Any], info: StudyInfo) -> None:
     """Capacity with CI and verdict, quality gate, engine, and the probes of the capacity search."""
     cap, gate = d["capacity"], d["gate"] or {}
     cols = st.columns(4)
@@ -401,17 +417,17 @@ def capacity_block(v: dash.TrialView, d: dict[str, Any], info: dash.StudyInfo) -
                        "verdict": p["verdict"], "n": p["n"], "failed": p["failed"]} for p in pts], hide_index=True)
 
 
-def why_tab(views: list[dash.TrialView], trials: list[Any], info: dash.StudyInfo) -> None:
+def why_tab(views: list[TrialView], trials: list[Any], info: StudyInfo) -> None:
     import plotly.graph_objects as go
 
-    w = dash.why(views, info)
+    w = why(views, info)
     by_number = {v.number: v for v in views}
 
     def figures(n: Any) -> dict[str, Any]:  # a trial of the answer, with its figures from the trial itself
         v = by_number[n]
-        return {"trial": n, "config": dash.config_text(v.row.config), "engine": v.engine_label,
+        return {"trial": n, "config": config_text(v.row.config), "engine": v.engine_label,
                 "capacity": curves.capacity_text(v.capacity), "output tok/s": v.tok_s,
-                f"{curves.field_label(info.latency_field or '.')}": dash.latency_at(v, info), "quality": v.row.quality.get("score"),
+                f"{curves.field_label(info.latency_field or '.')}": latency_at(v, info), "quality": v.row.quality.get("score"),
                 "quality gate": (v.row.quality.get("gate") or {}).get("verdict")}
 
     if "message" in w:
@@ -420,19 +436,19 @@ def why_tab(views: list[dash.TrialView], trials: list[Any], info: dash.StudyInfo
         st.info(w["legacy"], icon=":material/info:")
         if w["recommended"] is not None:
             v = by_number[w["recommended"]]
-            st.markdown(f"### Trial {v.number}: {dash.config_text(v.row.config)} — {v.tok_s:.2f} output tok/s")
+            st.markdown(f"### Trial {v.number}: {config_text(v.row.config)} — {v.tok_s:.2f} output tok/s")
             st.dataframe(w["constraints"], hide_index=True, column_config=CONSTRAINT_COLUMNS)
     else:
         a = w["answer"]
         rec, cap = a.get("recommendation"), w.get("capacity")
         if rec:
             best = by_number[rec["trial"]]
-            st.markdown(f"### Trial {best.number}: {dash.config_text(best.row.config)}")
+            st.markdown(f"### Trial {best.number}: {config_text(best.row.config)}")
             cols = st.columns(4)
             r = cap["recommended"]
             cols[0].metric("capacity (req/s)", f"{r['requests_per_s']:.3f}" if r["requests_per_s"] is not None
                            else "—", help=r["text"])
-            lat = dash.latency_at(best, info)
+            lat = latency_at(best, info)
             cols[1].metric(f"{curves.field_label(info.latency_field or '.')} at capacity", f"{lat:.0f} ms" if lat is not None else "—",
                            help=f"SLO {'; '.join(info.slo.get('bounds') or []) or info.primary}")
             gain, g_ci = rec.get("gain_over_baseline"), curves.ci_pair(rec.get("gain_ci"))
@@ -462,7 +478,7 @@ def why_tab(views: list[dash.TrialView], trials: list[Any], info: dash.StudyInfo
             st.warning("No feasible configuration yet.")
             c = a.get("closest")
             if c:
-                st.markdown(f"Closest miss: **trial {c['trial']}** ({dash.config_text(c.get('config') or {})}), "
+                st.markdown(f"Closest miss: **trial {c['trial']}** ({config_text(c.get('config') or {})}), "
                             f"missing: " + ", ".join(f"{k} by {v:g}" for k, v in (c.get("misses") or {}).items()))
                 st.dataframe(w.get("constraints", []), hide_index=True, column_config=CONSTRAINT_COLUMNS)
         if a.get("pareto_front"):
@@ -470,7 +486,7 @@ def why_tab(views: list[dash.TrialView], trials: list[Any], info: dash.StudyInfo
             st.dataframe([figures(p["trial"]) for p in a["pareto_front"] if p.get("trial") in by_number],
                          hide_index=True)
     st.markdown("#### Parameter importance (fANOVA)")
-    imps = importances(tuple(dash.signature(trials)), info.name)
+    imps = importances(tuple(signature(trials)), info.name)
     titles = {"throughput": "throughput (output tok/s)", "latency": f"latency ({info.latency_metric})",
               "capacity": "capacity (req/s)", "quality": "quality score"}
     for col, (label, res) in zip(st.columns(2), imps.items()):
@@ -489,22 +505,22 @@ def why_tab(views: list[dash.TrialView], trials: list[Any], info: dash.StudyInfo
 @st.cache_data(show_spinner=False, max_entries=32)
 def importances(sig: tuple, name: str) -> dict[str, dict[str, Any]]:
     study, trials = load(STORAGE, name)
-    return dash.param_importances(trials, study.directions)
+    return param_importances(trials, study.directions)
 
 
-def export_tab(v: dash.TrialView, study: str) -> None:
+def export_tab(v: TrialView, study: str) -> None:
     from tuner.export.locate import locate
 
     st.subheader(f"Serving configs for trial {v.number}")
     if v.state != "COMPLETE" or not v.row.config:
         st.info(f"Trial {v.number} is {v.state}: only COMPLETE trials can be exported. Select another trial.")
         return
-    conf = dash.config_json(v)
+    conf = config_json(v)
     st.markdown("**Trial config** (`tuner bench --config`, `tuner export --config`)")
     st.code(json.dumps(json.loads(conf), indent=2), language="json")
     st.download_button("Download config.json", conf + "\n", file_name=f"{study}-trial{v.number}-config.json",
                        mime="application/json", on_click="ignore", key=f"dl_conf_{v.number}")
-    exps = dash.exports(v, study, paths=locate)
+    exps = exports(v, study, paths=locate)
     tabs = st.tabs([e["target"] for e in exps])
     for tab, e in zip(tabs, exps):
         with tab:
@@ -538,11 +554,11 @@ def main() -> None:
     try:
         study, trials = load(STORAGE, name)
     except Exception as e:  # deleted meanwhile, or the database refusing a read right now
-        st.info(f"Study `{name}` cannot be read right now ({dash.first_line(str(e)) or type(e).__name__}); "
+        st.info(f"Study `{name}` cannot be read right now ({first_line(str(e)) or type(e).__name__}); "
                 "the page tries again at the next refresh.")
         return
-    info = dash.study_info(name, study.user_attrs)
-    views = dash.trial_views(trials, study.user_attrs)
+    info = study_info(name, study.user_attrs)
+    views = trial_views(trials, study.user_attrs)
     if not any(v.finished for v in views):
         running = sum(v.state in ("RUNNING", "WAITING") for v in views)
         st.title(name)
@@ -550,8 +566,8 @@ def main() -> None:
                 + (f" ({running} running: this page reloads when one finishes)." if running else ".")
                 + " Trials appear here as the search completes them.", icon=":material/hourglass_top:")
         return
-    ans = dash.study_answer(views, info)
-    rec = dash.recommended_number(ans, info)
+    ans = study_answer(views, info)
+    rec = recommended_number(ans, info)
     header(info, views, rec)
     selected = select_trial(views, rec)
     t_pareto, t_curves, t_trials, t_detail, t_why, t_export = st.tabs(

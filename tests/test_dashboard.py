@@ -1,4 +1,4 @@
-"""The dashboard: the pure data shaping (tuner/dashboard/data.py, tuner/dashboard/curves.py), `tuner dashboard`'s input
+"""The dashboard: the pure data shaping (tuner/dashboard/*.py), `tuner dashboard`'s input
 checks, and the real app (app.py served by Streamlit) in a real headless Chromium driven by Playwright, on a study
 written by a real `tuner search` (measured by capacity: latency-load curves), on in-memory studies shaped like it,
 and on one from before the capacity measure. Screenshots go to results/dashboard/ for a person to look at.
@@ -23,7 +23,22 @@ import pytest
 
 from tests.conftest import REPO, assert_one_line_error, run_tuner
 from tuner.dashboard import curves
-from tuner.dashboard import data as dash
+from tuner.dashboard.data import check_storage_url, display_url, open_storage_readonly, storage_from_argv
+from tuner.dashboard.exports import config_json, exports
+from tuner.dashboard.fields import axis_fields, default_axes, direction, field_label
+from tuner.dashboard.figures import chart_points, pareto_line, quality_range, target_lines
+from tuner.dashboard.study import (
+    CAPACITY,
+    bound_lines,
+    has_capacity,
+    metric_field,
+    signature,
+    state_counts,
+    study_info,
+    trial_views,
+)
+from tuner.dashboard.views import detail, ecdf, filter_rows, latency_samples, table_rows
+from tuner.dashboard.why import latency_at, param_importances, recommended_number, study_answer, why
 from tuner.errors import TunerError
 
 CHROMIUM = "/usr/bin/chromium"
@@ -172,15 +187,15 @@ def _legacy_study(storage=None, name=None):
 @pytest.fixture(scope="module")
 def mixed():
     study = _study(_mixed_specs())
-    info = dash.study_info("mixed", study.user_attrs)
-    return study, info, dash.trial_views(study.get_trials(deepcopy=False))
+    info = study_info("mixed", study.user_attrs)
+    return study, info, trial_views(study.get_trials(deepcopy=False))
 
 
 def test_storage_url_from_args_env_default():
-    assert dash.storage_from_argv(["--storage", "sqlite:///a.db"], {"TUNER_STORAGE": "sqlite:///b.db"}) == \
+    assert storage_from_argv(["--storage", "sqlite:///a.db"], {"TUNER_STORAGE": "sqlite:///b.db"}) == \
         "sqlite:///a.db"
-    assert dash.storage_from_argv(["--other", "x"], {"TUNER_STORAGE": "sqlite:///b.db"}) == "sqlite:///b.db"
-    assert dash.storage_from_argv([], {}) == "sqlite:///results/tuner.db"
+    assert storage_from_argv(["--other", "x"], {"TUNER_STORAGE": "sqlite:///b.db"}) == "sqlite:///b.db"
+    assert storage_from_argv([], {}) == "sqlite:///results/tuner.db"
 
 
 @pytest.mark.parametrize("url,needle", [
@@ -188,20 +203,20 @@ def test_storage_url_from_args_env_default():
 ])
 def test_check_storage_url_rejects(url, needle):
     with pytest.raises(TunerError, match=needle):
-        dash.check_storage_url(url)
+        check_storage_url(url)
 
 
 def test_display_url_masks_password():
-    assert dash.display_url("postgresql://me:secret@db.local/tuner") == "postgresql://me:***@db.local/tuner"
-    assert dash.display_url("sqlite:///results/tuner.db") == "sqlite:///results/tuner.db"
+    assert display_url("postgresql://me:secret@db.local/tuner") == "postgresql://me:***@db.local/tuner"
+    assert display_url("sqlite:///results/tuner.db") == "sqlite:///results/tuner.db"
 
 
 def test_check_storage_url_accepts_missing_file(tmp_path):
     url = f"sqlite:///{tmp_path / 'later.db'}"
-    assert dash.check_storage_url(url) == url
+    assert check_storage_url(url) == url
     assert not (tmp_path / "later.db").exists()  # nothing created
     with pytest.raises(TunerError, match="no such database file"):
-        dash.open_storage_readonly(url)
+        open_storage_readonly(url)
     assert not (tmp_path / "later.db").exists()
 
 
@@ -209,47 +224,47 @@ def test_study_info_and_target_lines(mixed):
     _, info, _ = mixed
     assert info.latency_field == "ttft_ms.p90" and info.latency_target_ms == 3000.0 and info.from_search
     assert info.slo["confidence"] == 0.95
-    assert dash.target_lines(info, "ttft_ms.p90", "output_tokens_per_s") == [
+    assert target_lines(info, "ttft_ms.p90", "output_tokens_per_s") == [
         {"axis": "x", "value": 3000.0, "label": "latency target ttft:p90<3000ms"}]
-    assert dash.target_lines(info, dash.CAPACITY, "ttft_ms.p90")[0]["axis"] == "y"
-    assert dash.target_lines(info, "e2e_ms.p99", "output_tokens_per_s") == []
-    assert dash.metric_field("tpot:p50") == "tpot_ms.p50" and dash.metric_field("nonsense") is None
+    assert target_lines(info, CAPACITY, "ttft_ms.p90")[0]["axis"] == "y"
+    assert target_lines(info, "e2e_ms.p99", "output_tokens_per_s") == []
+    assert metric_field("tpot:p50") == "tpot_ms.p50" and metric_field("nonsense") is None
 
 
 def test_bound_lines_from_the_slo_attr_and_attainment_targets():
     # a study whose SLO has only per-request targets (attainment): the target is drawn on every TTFT percentile
-    info = dash.study_info("a", {"latency_metric": "ttft:p90", "slo": {
+    info = study_info("a", {"latency_metric": "ttft:p90", "slo": {
         "bounds": ["e2e:p50<9s"], "targets_ms": {"ttft_ms": 2000.0}, "attainment": 0.9, "confidence": 0.95}})
-    lines = dash.bound_lines(info)
+    lines = bound_lines(info)
     assert lines["e2e_ms.p50"] == [(9000.0, "bound e2e:p50<9000ms")]
     assert lines["ttft_ms.p90"] == [(2000.0, "per-request target ttft<2000ms for 90% of requests")]
     assert lines["ttft_ms.p99"] == lines["ttft_ms.p90"] and "tpot_ms.p90" not in lines
     # no latency metric: the first target at the attainment's percentile is the one the curves open on
-    info = dash.study_info("b", {"slo": {"bounds": [], "targets_ms": {"ttft_ms": 2000.0}, "attainment": 0.9}})
+    info = study_info("b", {"slo": {"bounds": [], "targets_ms": {"ttft_ms": 2000.0}, "attainment": 0.9}})
     assert info.latency_field == "ttft_ms.p90" and curves.field_label("ttft_ms.p90") == "TTFT p90 (ms)"
 
 
 def test_table_has_every_trial_with_reasons_and_filters(mixed):
     _, info, views = mixed
-    rows = dash.table_rows(views, info, recommended=1)
+    rows = table_rows(views, info, recommended=1)
     assert [r["number"] for r in rows] == list(range(7))
     assert [r["state"] for r in rows] == ["COMPLETE"] * 5 + ["PRUNED", "FAIL"]
     assert [r["feasible"] for r in rows] == [True, True, False, False, True, None, None]
     assert rows[1]["recommended"] and rows[0]["baseline"]
     assert rows[5]["reason"].startswith("stopped early") and rows[6]["reason"] == "out of memory"
     assert rows[1]["ttft_p90_ms"] == 1500 and rows[4]["acceptance_rate"] == 0.4 and rows[3]["drop_pp"] == 3.0
-    assert [r["number"] for r in dash.filter_rows(rows, feasible="feasible")] == [0, 1, 4]
-    assert [r["number"] for r in dash.filter_rows(rows, feasible="infeasible")] == [2, 3, 5, 6]
-    assert [r["number"] for r in dash.filter_rows(rows, formats=["bnb-nf4"])] == [3, 5]
-    assert [r["number"] for r in dash.filter_rows(rows, states=["PRUNED", "FAIL"])] == [5, 6]
-    assert dash.filter_rows(rows, formats=["bf16"], feasible="feasible", states=["COMPLETE"])[0]["number"] == 1
+    assert [r["number"] for r in filter_rows(rows, feasible="feasible")] == [0, 1, 4]
+    assert [r["number"] for r in filter_rows(rows, feasible="infeasible")] == [2, 3, 5, 6]
+    assert [r["number"] for r in filter_rows(rows, formats=["bnb-nf4"])] == [3, 5]
+    assert [r["number"] for r in filter_rows(rows, states=["PRUNED", "FAIL"])] == [5, 6]
+    assert filter_rows(rows, formats=["bf16"], feasible="feasible", states=["COMPLETE"])[0]["number"] == 1
     with pytest.raises(ValueError):
-        dash.filter_rows(rows, feasible="maybe")
+        filter_rows(rows, feasible="maybe")
 
 
 def test_table_shows_capacity_ci_verdicts_and_engine(mixed):
     _, info, views = mixed
-    rows = dash.table_rows(views, info, recommended=1)
+    rows = table_rows(views, info, recommended=1)
     r = rows[1]
     assert (r["capacity_rps"], r["capacity_ci_low_rps"], r["capacity_ci_high_rps"]) == (2.0, 2.0, 3.0)
     assert (r["verdict"], r["quality_gate"], r["engine"], r["output_tokens_per_s"]) == (
@@ -260,22 +275,22 @@ def test_table_shows_capacity_ci_verdicts_and_engine(mixed):
 
 def test_axis_fields_labels_directions(mixed):
     _, info, views = mixed
-    fields = dash.axis_fields(views, info)
-    assert fields[:4] == [dash.CAPACITY, "quality.score", "output_tokens_per_s", "ttft_ms.p90"]
-    assert dash.default_axes(fields, info, True) == (dash.CAPACITY, "quality.score")
+    fields = axis_fields(views, info)
+    assert fields[:4] == [CAPACITY, "quality.score", "output_tokens_per_s", "ttft_ms.p90"]
+    assert default_axes(fields, info, True) == (CAPACITY, "quality.score")
     assert {"capacity.saturation.requests_per_s", "capacity.goodput_requests_per_s", "config.batch_cap",
             "roofline.percent_of_bound", "quality.tasks.arc_easy.acc", "e2e_ms.p50"} <= set(fields)
     assert not any(f.endswith(("_stderr", ".seed", ".limit", ".n")) or f.startswith(("quality.gate", "capacity.slo"))
                    for f in fields)
-    assert dash.field_label("ttft_ms.p99") == "TTFT p99 (ms)" and dash.field_label("config.batch_cap") == "batch cap"
-    assert dash.field_label(dash.CAPACITY) == "capacity (req/s)"
-    assert (dash.direction(dash.CAPACITY), dash.direction("e2e_ms.mean"), dash.direction("peak_rss_mb"),
-            dash.direction("quality.score"), dash.direction("config.batch_cap")) == ("max", "min", "min", "max", None)
+    assert field_label("ttft_ms.p99") == "TTFT p99 (ms)" and field_label("config.batch_cap") == "batch cap"
+    assert field_label(CAPACITY) == "capacity (req/s)"
+    assert (direction(CAPACITY), direction("e2e_ms.mean"), direction("peak_rss_mb"),
+            direction("quality.score"), direction("config.batch_cap")) == ("max", "min", "min", "max", None)
 
 
 def test_capacity_quality_pareto_with_error_bars(mixed):
     _, info, views = mixed
-    pts = dash.chart_points(views, dash.CAPACITY, "quality.score", info, recommended=1)
+    pts = chart_points(views, CAPACITY, "quality.score", info, recommended=1)
     assert [p["number"] for p in pts] == [0, 1, 2, 3, 4]  # pruned/failed trials have no capacity
     assert [p["feasible"] for p in pts] == [True, True, False, False, True]
     p1 = pts[1]
@@ -285,30 +300,30 @@ def test_capacity_quality_pareto_with_error_bars(mixed):
     assert p1["y_err"]["minus"] == pytest.approx(0.05) and p1["y_err"]["plus"] == pytest.approx(0.05)
     assert "engine transformers-cb" in p1["hover"] and "capacity 2.00 req/s (95% CI 2.00–3.00) · meets" in p1["hover"]
     assert "quality gate within" in p1["hover"] and "engine transformers-assisted" in pts[4]["hover"]
-    front = dash.pareto_line(pts, dash.direction(dash.CAPACITY), dash.direction("quality.score"))
+    front = pareto_line(pts, direction(CAPACITY), direction("quality.score"))
     # capacity max, quality max among feasible (0, 1, 4): 4 (1.0, 0.6) and 1 (2.0, 0.55); 0 is dominated by 1
     assert [(p["number"], p["x"], p["y"]) for p in front] == [(4, 1.0, 0.6), (1, 2.0, 0.55)]
-    fig = curves.pareto_figure(pts, front, dash.target_lines(info, dash.CAPACITY, "quality.score"), "x", "y")
+    fig = curves.pareto_figure(pts, front, target_lines(info, CAPACITY, "quality.score"), "x", "y")
     feas = {t.name: t for t in fig.data}["feasible"]  # trials 0, 1, 4
     assert list(feas.error_x.array) == [0.25, 1.0, 0.5] and list(feas.error_x.arrayminus) == [0.0, 0.0, 0.0]
     assert list(feas.error_y.array) == pytest.approx([0.05] * 3) and feas.error_x.visible
     assert {t.name for t in fig.data} >= {"infeasible", "Pareto front (feasible)", "recommended (trial 1)"}
     # a latency axis carries its percentile's CI; an open side is reported, not invented
-    lat = dash.chart_points(views, dash.CAPACITY, "ttft_ms.p90", info)
+    lat = chart_points(views, CAPACITY, "ttft_ms.p90", info)
     assert lat[1]["y_err"]["minus"] == pytest.approx(300.0) and lat[1]["y_err"]["plus"] == pytest.approx(375.0)
-    assert dash.chart_points(views, "config.batch_cap", "peak_rss_mb")[0]["x_err"] is None
+    assert chart_points(views, "config.batch_cap", "peak_rss_mb")[0]["x_err"] is None
 
 
 def test_chart_points_any_metric_and_quality_range(mixed):
     _, info, views = mixed
-    pts = dash.chart_points(views, "ttft_ms.p90", "output_tokens_per_s", info, recommended=1)
+    pts = chart_points(views, "ttft_ms.p90", "output_tokens_per_s", info, recommended=1)
     assert [p["number"] for p in pts] == [0, 1, 2, 3, 4]
-    front = dash.pareto_line(pts, dash.direction("ttft_ms.p90"), dash.direction("output_tokens_per_s"))
+    front = pareto_line(pts, direction("ttft_ms.p90"), direction("output_tokens_per_s"))
     assert [(p["number"], p["x"], p["y"]) for p in front] == [(4, 800, 10.0), (1, 1500, 20.0)]
-    assert dash.pareto_line(pts, None, "max") == []
-    assert dash.quality_range(pts) == (0.4, 0.6)
-    assert dash.quality_range([{"quality": None}]) is None
-    assert len(dash.chart_points(views, "config.batch_cap", "peak_rss_mb")) == 5
+    assert pareto_line(pts, None, "max") == []
+    assert quality_range(pts) == (0.4, 0.6)
+    assert quality_range([{"quality": None}]) is None
+    assert len(chart_points(views, "config.batch_cap", "peak_rss_mb")) == 5
 
 
 def test_latency_curve_points_error_bars_and_capacity_marker(mixed):
@@ -330,7 +345,7 @@ def test_latency_curve_points_error_bars_and_capacity_marker(mixed):
     assert (c["capacity"]["ci_low_rps"], c["capacity"]["ci_high_rps"]) == (2.0, 3.0)
     assert c["saturation"]["requests_per_s"] == pytest.approx(3.6)
     # error bars: bounded sides as given, the open side runs to the top of the plot and is listed for an arrow
-    limits = curves.slo_limits(dash.bound_lines(info), "ttft_ms.p90")
+    limits = curves.slo_limits(bound_lines(info), "ttft_ms.p90")
     assert limits == [{"value": 3000.0, "label": "latency target ttft:p90<3000ms"}]
     top = curves.y_top([c], [lim["value"] for lim in limits])
     assert top == pytest.approx(1.15 * 3750.0)
@@ -371,7 +386,7 @@ def test_latency_and_throughput_figures(mixed):
     _, info, views = mixed
     shown = [curves.latency_curve(views[n], "ttft_ms.p90") for n in curves.default_curve_trials(views, 1)]
     assert [c["number"] for c in shown] == [1, 0]  # the recommendation and the baseline
-    limits = curves.slo_limits(dash.bound_lines(info), "ttft_ms.p90")
+    limits = curves.slo_limits(bound_lines(info), "ttft_ms.p90")
     fig = curves.latency_figure(shown, "ttft_ms.p90", limits)
     traces = {t.name: t for t in fig.data}
     probes = traces["trial 1 · transformers-cb"]
@@ -393,23 +408,23 @@ def test_latency_and_throughput_figures(mixed):
 
 def test_old_study_without_capacity_still_renders():
     study = _legacy_study()
-    info = dash.study_info("old", study.user_attrs)
-    views = dash.trial_views(study.get_trials(deepcopy=False))
-    assert not dash.has_capacity(views) and curves.curve_trials(views) == []
+    info = study_info("old", study.user_attrs)
+    views = trial_views(study.get_trials(deepcopy=False))
+    assert not has_capacity(views) and curves.curve_trials(views) == []
     assert curves.default_curve_trials(views, 1) == []
-    fields = dash.axis_fields(views, info)
-    assert dash.default_axes(fields, info, False) == ("ttft_ms.p99", "output_tokens_per_s")
-    rows = dash.table_rows(views, info)
+    fields = axis_fields(views, info)
+    assert default_axes(fields, info, False) == ("ttft_ms.p99", "output_tokens_per_s")
+    rows = table_rows(views, info)
     assert "capacity_rps" not in rows[0] and rows[1]["output_tokens_per_s"] == 20.0 and rows[0]["engine"]
-    pts = dash.chart_points(views, "ttft_ms.p99", "output_tokens_per_s", info)
+    pts = chart_points(views, "ttft_ms.p99", "output_tokens_per_s", info)
     assert len(pts) == 3 and all(p["x_err"] is None and p["y_err"] is None for p in pts)
-    assert dash.detail(views[1])["capacity"] is None and views[1].tok_s == 20.0
+    assert detail(views[1])["capacity"] is None and views[1].tok_s == 20.0
     # its recommendation is the one its search stored, not recomputed from capacities it does not have
-    w = dash.why(views, info)
+    w = why(views, info)
     assert "predates capacity" in w["legacy"] and w["recommended"] == 1 and "answer" not in w
     assert [c["satisfied"] for c in w["constraints"]] == [True, True]
-    assert dash.study_answer(views, info) is None and dash.recommended_number(None, info) == 1
-    assert set(dash.param_importances(study.get_trials(deepcopy=False), study.directions)) == {"throughput",
+    assert study_answer(views, info) is None and recommended_number(None, info) == 1
+    assert set(param_importances(study.get_trials(deepcopy=False), study.directions)) == {"throughput",
                                                                                                 "latency"}
 
 
@@ -424,7 +439,7 @@ def test_capacity_attr_from_a_trial_or_a_bench_json():
 
 def test_detail_latencies_quality_tasks(mixed):
     _, info, views = mixed
-    d = dash.detail(views[4])
+    d = detail(views[4])
     assert d["uses_draft"] and d["acceptance_rate"] == 0.4 and d["peak_rss_mb"] == 800.0
     assert d["tasks"] == [{"task": "arc_easy", "acc": 0.6, "acc_stderr": 0.05}]
     assert d["percentiles"]["ttft_ms"]["p90"] == 800
@@ -432,66 +447,66 @@ def test_detail_latencies_quality_tasks(mixed):
     cap = d["capacity"]
     assert (cap["requests_per_s"], cap["ci_rps"], cap["verdict"], cap["n_probes"]) == (1.0, (1.0, 1.5), "meets", 3)
     assert cap["saturation"]["concurrency"] == 5 and cap["cost"]["requests"] == 160
-    rows = dash.percentile_rows(views[4].row.metrics)
+    rows = curves.percentile_rows(views[4].row.metrics)
     assert rows[0]["metric (ms)"] == "TTFT" and rows[0]["n"] == 40 and rows[0]["p90 CI"] == "640–1000"
-    s = dash.latency_samples([{"ttft_ms": 5.0, "e2e_ms": 9.0}, {"ttft_ms": 1.0, "e2e_ms": 2.0, "error": "boom"}])
+    s = latency_samples([{"ttft_ms": 5.0, "e2e_ms": 9.0}, {"ttft_ms": 1.0, "e2e_ms": 2.0, "error": "boom"}])
     assert s == {"ttft_ms": [5.0], "e2e_ms": [9.0]}
-    assert dash.ecdf([3.0, 1.0, 2.0]) == ([1.0, 2.0, 3.0], [1 / 3, 2 / 3, 1.0])
-    assert not dash.detail(views[0])["uses_draft"]
-    assert dash.detail(views[6])["reason"].startswith("out of memory") and dash.detail(views[6])["capacity"] is None
+    assert ecdf([3.0, 1.0, 2.0]) == ([1.0, 2.0, 3.0], [1 / 3, 2 / 3, 1.0])
+    assert not detail(views[0])["uses_draft"]
+    assert detail(views[6])["reason"].startswith("out of memory") and detail(views[6])["capacity"] is None
 
 
 def test_why_reuses_the_search_answer(mixed):
     from tuner.search.answer import answer, rows_from_study
 
     study, info, views = mixed
-    w = dash.why(views, info)
+    w = why(views, info)
     assert w["answer"] == answer(rows_from_study(study), NAMES, baseline_number=0)
     rec = w["answer"]["recommendation"]
     assert rec["trial"] == 1
     assert "ttft:p90<3000ms" in rec["binding_constraint"]  # trial 2 had more capacity and broke the latency target
-    assert dash.recommended_number(w["answer"], info) == 1
+    assert recommended_number(w["answer"], info) == 1
     assert [c["satisfied"] for c in w["constraints"]] == [True, True, True]
     assert rec["gain_over_baseline"] == pytest.approx(4.0)  # capacity 2.0 / the baseline's 0.5 req/s
     assert w["capacity"]["recommended"]["requests_per_s"] == 2.0 and w["capacity"]["baseline"]["requests_per_s"] == 0.5
-    assert dash.latency_at(views[1], info) == 1500
-    assert dash.why(views, dash.study_info("foreign", {}))["message"].startswith("this study was not written")
+    assert latency_at(views[1], info) == 1500
+    assert why(views, study_info("foreign", {}))["message"].startswith("this study was not written")
 
 
 def test_param_importances_and_too_few_trials(mixed):
     study, _, _ = mixed
     trials = study.get_trials(deepcopy=False)
-    imp = dash.param_importances(trials, study.directions)
+    imp = param_importances(trials, study.directions)
     assert set(imp) == {"capacity", "quality"}
     for res in imp.values():
         assert set(res["importances"]) <= {"quant", "batch_cap", "kv_fraction", "draft"}
         assert sum(res["importances"].values()) == pytest.approx(1.0)
-    few = dash.param_importances(trials[:2], study.directions)
+    few = param_importances(trials[:2], study.directions)
     assert few["capacity"] == {"message": "needs at least 3 completed trials with a capacity value (has 2)"}
-    assert dash.param_importances(trials, None).keys() == {"capacity", "quality"}  # told by the trials' values
-    assert dash.param_importances([], None)["latency"]["message"].startswith("needs at least")
+    assert param_importances(trials, None).keys() == {"capacity", "quality"}  # told by the trials' values
+    assert param_importances([], None)["latency"]["message"].startswith("needs at least")
 
 
 def test_exports_for_every_target(mixed):
     from tuner.export import TARGETS
 
     study, _, views = mixed
-    exps = dash.exports(views[1], "mixed")
+    exps = exports(views[1], "mixed")
     assert [e["target"] for e in exps] == list(TARGETS)
     vllm = exps[0]
     assert "error" not in vllm and "--max-num-seqs 4" in vllm["command"]
     assert any("--max-num-seqs 4" in text for text in vllm["files"].values())
     assert json.loads(vllm["json"])["source"] == {"study": "mixed", "trial": 1}
-    assert json.loads(dash.config_json(views[1]))["batch_cap"] == 4
+    assert json.loads(config_json(views[1]))["batch_cap"] == 4
     with pytest.raises(TunerError, match="PRUNED"):
-        dash.exports(views[5], "mixed")
+        exports(views[5], "mixed")
 
 
 def test_signature_and_counts(mixed):
     study, _, views = mixed
-    sig = dash.signature(study.get_trials(deepcopy=False))
+    sig = signature(study.get_trials(deepcopy=False))
     assert sig[0] == (0, "COMPLETE") and sig[5] == (5, "PRUNED") and len(sig) == 7
-    c = dash.state_counts(views)
+    c = state_counts(views)
     assert (c["trials"], c["COMPLETE"], c["feasible"], c["PRUNED"], c["FAIL"], c["RUNNING"]) == (7, 5, 3, 1, 1, 0)
 
 

@@ -11,7 +11,7 @@ with its confidence interval, verdict and the probes of the bracketed search) tu
   fields, capacity vs quality by default, with their intervals as error bars).
 
 Pure functions over plain dicts and the dashboard's TrialView (duck-typed: `number`, `capacity`, `row`,
-`engine_label`, `baseline`); nothing here imports tuner.dashboard.data, which imports this module.
+`engine_label`, `baseline`); nothing here imports the dashboard's other modules, which import this one.
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def throughput_figure(curves: Sequence[Mapping[str, Any]], unit: str = "rps") ->
 
 def pareto_figure(points: Sequence[Mapping[str, Any]], front: Sequence[Mapping[str, Any]],
                   lines: Sequence[Mapping[str, Any]], x_label: str, y_label: str) -> Any:
-    """The trials on two axes (`tuner.dashboard.data.chart_points`): feasible (circles) and infeasible (crosses)
+    """The trials on two axes (`tuner.dashboard.figures.chart_points`): feasible (circles) and infeasible (crosses)
     coloured by quality score, with their error bars (`x_err`, `y_err`: the capacity's CI, the quality score's
     stderr, a latency percentile's CI), the feasible front (`pareto_line`) as a dotted line, the recommended trial
     as a star, and target lines (`target_lines`). Trace names: 'feasible', 'infeasible', 'Pareto front
