@@ -2,7 +2,7 @@
 
   grid    measure every config of a small space for real, once: its capacity within the SLO (tuner.measure.capacity, in a
           fresh process per config) and its format's quality gate (tuner eval, cached per format). JSON, resumable.
-  replay  replay the real search on the recorded surface -- the search's own sampler (tuner.search.loop.make_sampler),
+  replay  replay the real search on the recorded surface -- the search's own sampler (tuner.search.samplers.make_sampler),
           directions, space handling (tuner.search.space.suggest_config, conditional knobs), quality pruning and
           normalised constraints (tuner.search.objective.apply_quality / apply_capacity) -- against random search at equal
           budget, for 10 seeds: trials to reach 95% of the grid's best feasible capacity.
@@ -12,7 +12,7 @@ Usage:
   .venv/bin/python benchmarks/bench_search.py replay [--grid results/bench/capacity-grid.json]
   (default grid: benchmarks/data/capacity-grid-smollm2-cpu.json, measured here with the defaults above, ~45 min)
 Goal: median trials <= 20% of the grid, and better than random in >= 8 of 10 seeds. Also printed: TPE alone (no
-start-up sweep, no no-repeat rule: tuner.search.loop.enqueue_start, no_repeat_tpe). `replay --mirror-caps` replays on
+start-up sweep, no no-repeat rule: tuner.search.loop.enqueue_start, tuner.search.samplers.no_repeat_tpe). `replay --mirror-caps` replays on
 the grid with its batch caps reversed, where the start-up sweep's prior (capacity grows with the cap) is wrong.
 """
 
@@ -129,8 +129,9 @@ def replay_search(data: dict, ctx, seed: int, budget: int, no_repeat: bool = Tru
 
     import optuna
 
-    from tuner.search.loop import DIRECTIONS, enqueue_start, make_sampler
+    from tuner.search.loop import DIRECTIONS, enqueue_start
     from tuner.search.objective import TrialFailed, apply_capacity, apply_quality
+    from tuner.search.samplers import make_sampler
     from tuner.search.space import suggest_config
 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)

@@ -150,7 +150,7 @@ CASES = [
     # storage URLs and study names
     pytest.param([*S, "--latency-target", "1s", "--storage", "not a url"], "storage 'not a url' is invalid",
                  id="search-storage-url"),
-    pytest.param([*S, "--latency-target", "1s", "--storage", "nosuch://x"], "storage 'nosuch://x' is unreachable",
+    pytest.param([*S, "--latency-target", "1s", "--storage", "nosuch://x"], "storage 'nosuch://x' is unusable",
                  id="search-storage-scheme"),
     pytest.param([*S, "--latency-target", "1s", "--storage", "sqlite:///afile/x.db"],
                  "directory 'afile' does not exist", id="search-storage-dir"),

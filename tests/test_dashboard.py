@@ -23,7 +23,7 @@ import pytest
 
 from tests.conftest import REPO, assert_one_line_error, run_tuner
 from tuner.dashboard import curves
-from tuner.dashboard.data import check_storage_url, display_url, open_storage_readonly, storage_from_argv
+from tuner.dashboard.data import display_url, open_storage_readonly, storage_from_argv
 from tuner.dashboard.exports import config_json, exports
 from tuner.dashboard.fields import axis_fields, default_axes, direction, field_label
 from tuner.dashboard.figures import chart_points, pareto_line, quality_range, target_lines
@@ -40,6 +40,7 @@ from tuner.dashboard.study import (
 from tuner.dashboard.views import detail, ecdf, filter_rows, latency_samples, table_rows
 from tuner.dashboard.why import latency_at, param_importances, recommended_number, study_answer, why
 from tuner.errors import TunerError
+from tuner.search.storage import check_storage_url
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

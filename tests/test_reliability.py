@@ -97,7 +97,7 @@ def start_search(tmp: Path, *extra: str, env: dict | None = None, **kw) -> subpr
 def trials_of(tmp: Path, storage: str | None = None) -> list:
     import optuna
 
-    from tuner.search.answer import open_storage
+    from tuner.search.storage import open_storage
 
     storage = storage or f"sqlite:///{tmp / 'res' / 'tuner.db'}"
     return optuna.load_study(study_name="rel", storage=open_storage(storage, create=False)).get_trials(deepcopy=False)
@@ -185,14 +185,14 @@ def test_dead_workers_trials_are_failed_with_a_reason(tmp_path, monkeypatch):
     grace period when it ran elsewhere; a live worker's trial is left alone."""
     import optuna
 
-    from tuner.search.answer import open_storage
-    from tuner.search.loop import fail_dead_trials, worker_tag
+    from tuner.search.storage import open_storage
+    from tuner.search.workers import fail_dead_trials, worker_tag
 
     monkeypatch.setenv("TUNER_HEARTBEAT_S", "1")
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study(study_name="s", storage=open_storage(f"sqlite:///{tmp_path / 'db.sqlite'}"),
                                 directions=["maximize", "maximize"])
-    dead = subprocess.run([sys.executable, "-c", "from tuner.search.loop import worker_tag; print(worker_tag())"],
+    dead = subprocess.run([sys.executable, "-c", "from tuner.search.workers import worker_tag; print(worker_tag())"],
                           cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     tags = [dead, "another-host:123:456", worker_tag()]
     ids = []

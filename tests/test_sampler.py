@@ -7,7 +7,8 @@ import warnings
 import optuna
 import pytest
 
-from tuner.search.loop import DIRECTIONS, make_sampler
+from tuner.search.loop import DIRECTIONS
+from tuner.search.samplers import make_sampler
 from tuner.search.space import all_measured, config_key, load_space, suggest_config
 
 GRID = """

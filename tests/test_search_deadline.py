@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import optuna
 
-from tuner.search.loop import StorageLock, confirm_pick, past_deadline, remeasure_s
+from tuner.search.loop import confirm_pick, past_deadline, remeasure_s
+from tuner.search.storage import StorageLock
 
 
 def study_with_one_trial(url: str, child_wall_s: float) -> optuna.Study:

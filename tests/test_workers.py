@@ -116,7 +116,7 @@ def fresh_pg_db(url: str, name: str) -> str:
 def check_study(storage: str, name: str, n_trials: int, min_workers: int = 2, all_complete: bool = True) -> list:
     import optuna
 
-    from tuner.search.answer import open_storage
+    from tuner.search.storage import open_storage
 
     study = optuna.load_study(study_name=name, storage=open_storage(storage, create=False))
     trials = study.get_trials(deepcopy=False)
@@ -128,7 +128,7 @@ def check_study(storage: str, name: str, n_trials: int, min_workers: int = 2, al
     assert baselines == [0], baselines
     assert trials[0].params == BASELINE
     # kv_fraction is continuous: a configuration comes up twice only when a worker replays another's random draws
-    # (the sampler not re-seeded per trial number). Checked: with tuner.search.loop.reseed_sampler made a no-op, the
+    # (the sampler not re-seeded per trial number). Checked: with tuner.search.optuna_private.reseed_sampler made a no-op, the
     # 6-worker SQLite stress run below repeats 3 configurations and fails here.
     keys = [tuple(sorted(t.params.items())) for t in trials]
     dups = {k for k in keys if keys.count(k) > 1}
@@ -250,7 +250,7 @@ def worker_with_another_slo(tmp_path: Path, storage: str, study_slo: list, worke
     import optuna
 
     from tests.conftest import assert_one_line_error
-    from tuner.search.answer import open_storage
+    from tuner.search.storage import open_storage
 
     first = start_stand_in(stand_in_args(storage, 2, *study_slo), tmp_path / "w0")
     out, err = first.communicate(timeout=300)
@@ -290,7 +290,7 @@ def real_workers(tmp_path: Path, storage: str, searches: int, joiners: int, n_tr
     if joiners:
         import optuna
 
-        from tuner.search.answer import open_storage
+        from tuner.search.storage import open_storage
 
         deadline = time.time() + 120
         while "shared" not in optuna.study.get_all_study_names(open_storage(storage)):

@@ -18,7 +18,7 @@ DEFAULT_HOST = "127.0.0.1"
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from tuner.dashboard.data import STORAGE_ENV
-    from tuner.search.answer import DEFAULT_STORAGE
+    from tuner.search.storage import DEFAULT_STORAGE
 
     p = subparsers.add_parser(
         "dashboard", help="open the Streamlit dashboard",
@@ -64,9 +64,9 @@ def check_port(host: str, port: int) -> None:
 def run(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from tuner.dashboard.data import STORAGE_ENV, check_storage_url, display_url
+    from tuner.dashboard.data import STORAGE_ENV, display_url
     from tuner.errors import TunerError
-    from tuner.search.answer import DEFAULT_STORAGE
+    from tuner.search.storage import DEFAULT_STORAGE, check_storage_url
 
     if args.storage is not None:
         storage, what = args.storage, "--storage"

@@ -13,7 +13,7 @@ TARGET_NAMES = ("vllm", "sglang", "tgi", "llamacpp", "transformers")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from tuner.export.trials import DEFAULT_STORAGE
+    from tuner.search.storage import DEFAULT_STORAGE
 
     p = subparsers.add_parser(
         "export", help="export a trial's config to vLLM, SGLang, TGI, llama.cpp or transformers",

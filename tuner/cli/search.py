@@ -134,8 +134,8 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
     from tuner.config import DEVICES, resolve_device
     from tuner.measure.workload import WorkloadSpec, parse_range
     from tuner.models import resolve_source
-    from tuner.search.answer import check_study_name, default_study_name
     from tuner.search.objective import SearchContext
+    from tuner.search.storage import check_storage_url, check_study_name, default_study_name
     from tuner.slo import build_slo, parse_duration_s
 
     primary, slo = build_slo(args.latency_target, args.latency_metric, args.slo, args.attainment, args.confidence)
@@ -198,7 +198,7 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
         raise TunerError(f"--results-dir {args.results_dir!r} is not a directory: expected a directory (created if "
                          "missing)")
     storage = args.storage or f"sqlite:///{results / 'tuner.db'}"
-    check_storage_url(storage, results)
+    check_storage_url(storage, "storage", results)
     ctx = SearchContext(model=args.model, device=device, space=space, primary=primary, slo=slo,
                         max_quality_drop=args.max_quality_drop, workload=spec, quality_tasks=tasks,
                         quality_limit=limit, score_quality=not args.no_quality, trial_timeout_s=trial_timeout,
@@ -225,35 +225,6 @@ def check_probes_can_show(slo: Any, max_probes: int, given: tuple[int, int] | No
             f"{max_probes} probes x 2 looks; expected a cap >= {need} (or leave --probe-requests out: it follows the "
             "percentile), or a lower percentile")
     return probe
-
-
-def check_storage_url(url: str, results: Path) -> None:
-    """Cheap checks of --storage before anything is created: the URL's form, its SQLAlchemy dialect and driver, and
-    for a SQLite file that its directory exists (or is the results directory, created by the search)."""
-    import re
-
-    if not re.match(r"^[a-z][a-z0-9+]*://", url or ""):
-        raise TunerError(f"storage {url!r} is invalid: expected an Optuna storage URL such as "
-                         "sqlite:///results/tuner.db or postgresql://user@host:5432/db")
-    from sqlalchemy.engine import make_url
-
-    from tuner.search.loop import sqlalchemy_url
-
-    try:
-        make_url(sqlalchemy_url(url)).get_dialect()
-    except Exception as e:  # ArgumentError (bad URL), NoSuchModuleError (unknown scheme), ImportError (driver)
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TunerError(f"storage {url!r} is unreachable: {msg[:160]}: expected sqlite:///FILE or "
-                         "postgresql://USER@HOST:PORT/DB") from None
-    if url.startswith("sqlite:///"):
-        path = Path(url[len("sqlite:///"):])
-        if str(path) in ("", ":memory:"):
-            raise TunerError(f"storage {url!r} is invalid: an in-memory database is lost when the search ends; "
-                             "expected sqlite:///FILE")
-        if path.is_dir():
-            raise TunerError(f"storage {url!r}: {str(path)!r} is a directory: expected a database file path")
-        if not path.parent.is_dir() and path.parent.resolve() != results.resolve():
-            raise TunerError(f"storage {url!r}: directory {str(path.parent)!r} does not exist")
 
 
 def make_results_dir(results: Path) -> list[Path]:

@@ -1,5 +1,6 @@
 """Where the dashboard's data comes from: the storage URL the app reads (`--storage`, $TUNER_STORAGE, the search's
-default), its checks before anything connects, a read-only Optuna storage, and the URL as the page shows it.
+default), a read-only Optuna storage, and the URL as the page shows it (tuner.search.storage checks a URL before
+anything connects, and opens it).
 
 The shaping of what a study holds lives beside it: tuner/dashboard/study.py (a study's settings and its trials as
 TrialViews), fields.py (the numeric fields a chart axis can use), views.py (the trials table, hover text, a trial's
@@ -17,8 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tuner.errors import TunerError
-from tuner.search.answer import DEFAULT_STORAGE
+from tuner.search.storage import DEFAULT_STORAGE
 
 STORAGE_ENV = "TUNER_STORAGE"
 
@@ -32,31 +32,9 @@ def storage_from_argv(argv: Sequence[str], environ: Mapping[str, str]) -> str:
     return known.storage or environ.get(STORAGE_ENV) or DEFAULT_STORAGE
 
 
-def check_storage_url(url: str, what: str = "--storage") -> str:
-    """A storage URL the dashboard can read, checked without connecting: its syntax, that SQLAlchemy has its
-    driver, and for SQLite that the directory exists (a missing file is fine: the app waits for a search)."""
-    if not re.match(r"^[a-z][a-z0-9+]*://", url or ""):
-        raise TunerError(f"{what} {url!r} is invalid: expected an Optuna storage URL such as {DEFAULT_STORAGE} "
-                         "or postgresql://user:pw@host/db")
-    from sqlalchemy.engine import make_url
-
-    try:
-        from tuner.search.loop import sqlalchemy_url
-
-        make_url(sqlalchemy_url(url)).get_dialect()
-    except Exception as e:  # ArgumentError (bad URL), NoSuchModuleError (unknown scheme), ImportError (driver)
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TunerError(f"{what} {url!r} is unusable: {msg[:160]}") from None
-    if url.startswith("sqlite:///"):
-        path = Path(url[len("sqlite:///"):])
-        if str(path) not in ("", ":memory:") and not path.parent.is_dir():
-            raise TunerError(f"{what} {url!r}: directory {str(path.parent)!r} does not exist")
-    return url
-
-
 def open_storage_readonly(url: str) -> Any:
     """An Optuna RDBStorage for an existing database (a missing SQLite file is a TunerError, not a new file)."""
-    from tuner.search.answer import open_storage
+    from tuner.search.storage import open_storage
 
     return open_storage(url, create=False)
 

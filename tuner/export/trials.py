@@ -15,8 +15,7 @@ from typing import Any
 from tuner.config import TrialConfig
 from tuner.errors import TunerError
 from tuner.search.answer import remeasure_of
-
-DEFAULT_STORAGE = "sqlite:///results/tuner.db"
+from tuner.search.storage import DEFAULT_STORAGE
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ def open_study(name: str, storage: str) -> Any:
         if not path.is_file():
             raise TunerError(f"storage {storage!r}: no such database file {str(path)!r} (run `tuner search` first "
                              "or pass --storage)")
-    from tuner.search.answer import open_storage
+    from tuner.search.storage import open_storage
 
     rdb = open_storage(storage, create=False)
     try:

@@ -338,9 +338,9 @@ class PredictStrategy:
     def state(self, study: Any, space: Any) -> tuple[set, list[tuple[float, float]], float, Any, set]:
         """(keys measured or tried, (predicted, measured) pairs, best feasible measured req/s, its trial, quality
         keys pruned by the gate)."""
-        from tuner.search.loop import interrupted
         from tuner.search.objective import quality_key
         from tuner.search.space import config_key
+        from tuner.search.workers import interrupted
 
         done, pairs, best, best_trial, pruned = set(), [], 0.0, None, set()
         for t in study.get_trials(deepcopy=False):

@@ -1,84 +1,22 @@
-"""Optuna storage and study handling, and the answer of a search: the feasible Pareto front (capacity, quality),
+"""The answer of a search: the feasible Pareto front (capacity, quality),
 the recommendation (the feasible config with the highest capacity within the SLO), its gain over the engine-default
 baseline with an interval, cost per 1M tokens at that load, replicas for a target rate, the binding constraint,
 the runners-up (and which of them the evidence cannot tell apart from the recommendation), and the closest miss
-when nothing is feasible. Pure functions over finished trials."""
+when nothing is feasible, and the trials as CSV. Pure functions over finished trials."""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tuner.config import ENGINE_KNOBS
 from tuner.errors import TunerError
 from tuner.measure.capacity import DRIFT_NOTE
 from tuner.measure.host import HOST_BUSY, busy_share
-
-DEFAULT_STORAGE = "sqlite:///results/tuner.db"
-
-
-def default_study_name(model: str, metric: str, target: str) -> str:
-    base = Path(model).stem if ("/" in model or model.endswith(".gguf")) else model
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{base}-{metric.replace(':', '-')}-{target}").strip("-")
-
-
-def check_study_name(name: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", name or ""):
-        raise TunerError(f"study name {name!r} is invalid: expected 1-128 characters of letters, digits, '.', '_', '-' "
-                         "starting with a letter or digit")
-    return name
-
-
-def open_storage(url: str, create: bool = True, read_only: bool | None = None) -> Any:
-    """An Optuna storage for `url`, checked reachable before anything is written. SQLite files need an existing
-    directory; other URLs (postgresql://...) must accept a connection. With `create=False` the storage must exist
-    already, and a SQLite file is opened read-only (no tables are ever created in a file that is not a study
-    database) unless `read_only=False` (a worker joining a study writes trials into it). `postgresql://` uses psycopg2 when psycopg (v3, SQLAlchemy 2.1's default driver) is not installed.
-    Heartbeats (`TUNER_HEARTBEAT_S`, default 10 s; grace period 3x) let a worker mark the RUNNING trial of a dead
-    worker FAIL."""
-    import importlib.util
-    import warnings
-
-    import optuna
-
-    if not re.match(r"^[a-z][a-z0-9+]*://", url or ""):
-        raise TunerError(f"storage {url!r} is invalid: expected an Optuna storage URL such as "
-                         "sqlite:///results/tuner.db or postgresql://user:pw@host/db")
-    target = url
-    if url.startswith("sqlite:///"):
-        path = Path(url[len("sqlite:///"):])
-        if not create and not path.is_file():
-            raise TunerError(f"storage {url!r}: no such database file {str(path)!r}")
-        if not path.parent.is_dir():
-            raise TunerError(f"storage {url!r}: directory {str(path.parent)!r} does not exist")
-        if (not create) if read_only is None else read_only:
-            target = f"sqlite:///file:{path.resolve()}?mode=ro&uri=true"
-    elif url.startswith(("postgresql://", "postgres://")) and importlib.util.find_spec("psycopg") is None \
-            and importlib.util.find_spec("psycopg2") is not None:
-        target = "postgresql+psycopg2://" + url.split("://", 1)[1]
-    try:
-        beat = float(os.environ.get("TUNER_HEARTBEAT_S", "10"))
-        beat = beat if beat > 0 else 10.0
-        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # heartbeat_interval
-        return optuna.storages.RDBStorage(target, heartbeat_interval=int(max(1, beat)),
-                                          grace_period=int(max(2, 3 * beat)), engine_kwargs=engine_kwargs(target))
-    except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if not create and "readonly" in msg:
-            msg = "not an Optuna study database"
-        raise TunerError(f"storage {url!r} is unreachable: {msg[:200]}") from None
-
-
-def engine_kwargs(url: str) -> dict[str, Any]:
-    if url.startswith("sqlite"):
-        return {"connect_args": {"timeout": 60}}
-    return {"pool_pre_ping": True}
 
 
 @dataclass(frozen=True)

@@ -11,38 +11,34 @@ Reliability contract:
     ends that trial as FAIL (or PRUNED) with a one-line `reason` user attr, and the search goes on;
   * a worker that dies mid-trial (`kill -9`, a lost machine) leaves a RUNNING trial that the next worker marks
     FAIL with a reason: at once when the dead worker ran on this host (its pid is gone), else when its heartbeat
-    is older than the grace period (RDB storages, `TUNER_HEARTBEAT_S`);
+    is older than the grace period (RDB storages, `TUNER_HEARTBEAT_S`; tuner.search.workers);
   * several workers (`tuner search` / `tuner worker` on the same --study and --storage) share the budget: a
     storage-wide lock (a file lock next to a SQLite or journal file, a PostgreSQL advisory lock) is held while a
     worker counts the study's trials, creates its trial and samples its configuration, so N workers together
     create exactly --trials trials, the baseline is enqueued once, and no two workers sample while blind to each
     other (TPE's constant liar sees every running trial's parameters). The sampler's random state is re-seeded from
-    (seed, trial number), so resumed runs and parallel workers never replay the same random draws.
+    (seed, trial number), so resumed runs and parallel workers never replay the same random draws
+    (tuner.search.storage.StorageLock, tuner.search.samplers).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
-import json
 import logging
-import os
 import signal
-import socket
 import sys
 import time
-import zlib
-from pathlib import Path
 from typing import Any
 
 from tuner.errors import TunerError, one_line
-from tuner.search.answer import answer, open_storage, rows_from_study, trials_csv
+from tuner.search.answer import answer, rows_from_study, trials_csv
 from tuner.search.objective import SearchContext, TrialFailed, constraint_names, objective, quality_key
+from tuner.search.samplers import make_sampler
+from tuner.search.storage import StorageLock, open_storage
+from tuner.search.workers import fail_dead_trials, local_worker_gone, warn_same_host, worker_tag
 
 DIRECTIONS = ["maximize", "maximize"]  # capacity (req/s within the SLO), quality score
-LOCK_SUFFIX = ".tuner-lock"
-PG_LOCK_KEY = zlib.crc32(b"tuner-search-storage-lock")  # one advisory lock per PostgreSQL database
 
 
 def study_attrs(ctx: SearchContext) -> dict[str, Any]:
@@ -67,258 +63,6 @@ def settings_differ(old: dict[str, Any], new: dict[str, Any], prefix: str = "") 
         elif a != b:
             return f"{prefix}{key}={a!r} (this run: {b!r})"
     return None
-
-
-# -------------------------------------------------------------------------------------------- sampler --- #
-def make_sampler(seed: int, space: Any = None) -> Any:
-    """Seeded multivariate TPE; constraints come from each trial's `set_constraint`; constant liar so parallel
-    workers do not pick the same config while one is running; random state re-seeded per trial number. Given the
-    search space, it never proposes a configuration the study has already measured (see `NoRepeatTPE`)."""
-    import optuna
-
-    class TrialSeededTPESampler(optuna.samplers.TPESampler):
-        """TPE whose random draws for trial k depend on (seed, k) only, not on how many trials this process has
-        sampled before: a resumed study or a second worker does not repeat the first worker's random startup
-        configurations, and a one-worker run is still reproducible."""
-
-        def __init__(self, seed: int, **kwargs: Any) -> None:
-            super().__init__(seed=seed, **kwargs)
-            self._base_seed = seed
-
-        def before_trial(self, study: Any, trial: Any) -> None:
-            reseed_sampler(self, (self._base_seed * 1_000_003 + trial.number * 7_919) % 2**32)
-            super().before_trial(study, trial)
-
-    kwargs = {"n_startup_trials": 3, "multivariate": True, "group": True, "constant_liar": True}
-    if space is None:
-        return TrialSeededTPESampler(seed=seed, **kwargs)
-    return no_repeat_tpe(TrialSeededTPESampler)(seed=seed, space=space, **kwargs)
-
-
-# --------------------------------------------------------- the one place private Optuna API is used --- #
-# Declared range: optuna>=5,<6 (pyproject). Everything below touches Optuna internals and is checked by the tests.
-def reseed_sampler(sampler: Any, seed: int) -> None:
-    """Re-seed a TPESampler's random state (TPE and its start-up random sampler)."""
-    sampler._rng.rng.seed(seed)
-    sampler._random_sampler._rng.rng.seed((seed + 1) % 2**32)
-
-
-def no_repeat_tpe(base: type) -> type:
-    """A TPE sampler that does not spend a trial re-measuring a configuration: a search space is finite in its
-    categorical knobs (a batch cap, a format), and plain TPE, whose acquisition peaks at the best point seen, keeps
-    proposing configurations already measured -- each a full capacity measurement that adds nothing. Candidates all
-    of whose configurations were measured (trials COMPLETE, PRUNED, RUNNING, or FAIL: a configuration that ran out of
-    memory, crashed or timed out fails again; not one whose trial was interrupted, `interrupted`;
-    tuner.search.space.all_measured) get an
-    acquisition of -inf, so TPE takes its best *new* candidate; when every candidate is old, one of the values not
-    yet exhausted is drawn at random; a start-up (random) draw that repeats one is drawn again the same way. A space
-    with every configuration measured gets a repeat (nothing new is left). Overrides TPE's private `_sample` and
-    `_compute_acquisition_func` (Optuna 5.x)."""
-    import numpy as np
-    from optuna.distributions import CategoricalDistribution, IntDistribution
-    from optuna.trial import TrialState
-
-    from tuner.search.space import all_measured, config_key
-
-    def finite_values(dist: Any) -> list[Any] | None:
-        if isinstance(dist, CategoricalDistribution):
-            return list(dist.choices)
-        if isinstance(dist, IntDistribution) and (dist.high - dist.low) // dist.step < 1024:
-            return list(range(dist.low, dist.high + 1, dist.step))
-        return None
-
-    class NoRepeatTPE(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, space: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._space = space
-            self._partial: dict[str, Any] | None = None  # relative parameters of this trial's earlier groups
-            self._mask: tuple[dict[str, Any], dict[str, Any]] | None = None
-            self._seen: set = set()  # configurations measured or running when this trial started
-
-        def before_trial(self, study: Any, trial: Any) -> None:
-            super().before_trial(study, trial)
-            states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.FAIL)
-            keys = (config_key(self._space, t.params) for t in study.get_trials(deepcopy=False, states=states)
-                    if t.number != trial.number and not interrupted(t))
-            self._seen = {k for k in keys if k is not None}
-
-        def fresh(self, known: dict[str, Any], search_space: dict[str, Any]) -> dict[str, Any] | None:
-            """A random combination of `search_space` values with an unmeasured configuration (None: none left)."""
-            names = list(search_space)
-            options = [finite_values(search_space[n]) for n in names]
-            if any(o is None for o in options):
-                return None
-            combos = [dict(zip(names, c)) for c in itertools.product(*options)]
-            new = [c for c in combos if not all_measured(self._space, {**known, **c}, self._seen)]
-            return new[int(self._rng.rng.randint(len(new)))] if new else None
-
-        def sample_relative(self, study: Any, trial: Any, search_space: dict[str, Any]) -> dict[str, Any]:
-            self._partial = {}
-            try:
-                return super().sample_relative(study, trial, search_space)
-            finally:
-                self._partial = None
-
-        def sample_independent(self, study: Any, trial: Any, name: str, dist: Any) -> Any:
-            value = super().sample_independent(study, trial, name, dist)
-            if all_measured(self._space, {**trial.params, name: value}, self._seen):  # a start-up draw, or all old
-                alt = self.fresh(dict(trial.params), {name: dist})
-                value = alt[name] if alt else value
-            return value
-
-        def _sample(self, study: Any, trial: Any, search_space: dict[str, Any]) -> dict[str, Any]:
-            known = {**trial.params, **(self._partial or {})}
-            self._mask = (known, search_space)
-            try:
-                ret = super()._sample(study, trial, search_space)
-            finally:
-                self._mask = None
-            if all_measured(self._space, {**known, **ret}, self._seen):
-                ret = self.fresh(known, search_space) or ret
-            if self._partial is not None:
-                self._partial.update(ret)
-            return ret
-
-        def _compute_acquisition_func(self, samples: dict[str, Any], below: Any, above: Any) -> Any:
-            vals = super()._compute_acquisition_func(samples, below, above)
-            if self._mask is not None:
-                known, search_space = self._mask
-                for i in range(len(vals)):
-                    cand = {n: d.to_external_repr(samples[n][i]) for n, d in search_space.items()}
-                    if all_measured(self._space, {**known, **cand}, self._seen):
-                        vals[i] = -np.inf
-            return vals
-
-    return NoRepeatTPE
-
-
-def interrupted(trial: Any) -> bool:
-    """A FAIL trial stopped from outside (its worker died or lost its heartbeat, Ctrl-C or SIGTERM to the search):
-    says nothing about its configuration, which may be proposed again. Every other failure is the configuration's."""
-    return trial.state.name == "FAIL" and str(trial.user_attrs.get("reason") or "").startswith("interrupted")
-
-
-def stale_trial_ids(study: Any) -> tuple[set[int], float | None]:
-    """Ids of RUNNING trials whose heartbeat is older than the grace period, and that grace period (s)."""
-    from optuna.storages._heartbeat import is_heartbeat_enabled
-
-    storage = study._storage
-    if not (is_heartbeat_enabled(storage) and hasattr(storage, "_get_stale_trial_ids")):
-        return set(), None
-    backend = getattr(storage, "_backend", storage)  # optuna wraps an RDBStorage in a _CachedStorage
-    grace = getattr(backend, "grace_period", None) or 2 * storage.get_heartbeat_interval()
-    return set(storage._get_stale_trial_ids(study._study_id)), grace
-
-
-def fail_trial(study: Any, trial: Any, reason: str) -> None:
-    """Mark a RUNNING trial (not ours) FAIL with a reason."""
-    from optuna.trial import TrialState
-
-    study._storage.set_trial_user_attr(trial._trial_id, "reason", reason)
-    study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-
-
-# ---------------------------------------------------------------------------------------------- lock --- #
-def sqlalchemy_url(url: str) -> str:
-    """`postgresql://` with psycopg2 when psycopg (v3, SQLAlchemy 2.1's default driver) is missing, as
-    `tuner.search.answer.open_storage` does."""
-    import importlib.util
-
-    if url.startswith(("postgresql://", "postgres://")) and importlib.util.find_spec("psycopg") is None \
-            and importlib.util.find_spec("psycopg2") is not None:
-        return "postgresql+psycopg2://" + url.split("://", 1)[1]
-    return url
-
-
-class StorageLock:
-    """A lock shared by every worker of a storage: `fcntl.flock` on `<file>.tuner-lock` next to a SQLite or journal
-    file, `pg_advisory_lock` on PostgreSQL (released by the server if the worker dies). Other storages get a
-    process-local lock only. Re-entrant acquire is not supported; `release` is idempotent."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.held = False
-        self._fd: int | None = None
-        self._path: Path | None = None
-        self._created = False
-        self._conn: Any = None
-        self._engine: Any = None
-
-    @staticmethod
-    def file_for(url: str) -> Path | None:
-        for prefix in ("sqlite:///", "journal:///"):
-            if url.startswith(prefix):
-                p = url[len(prefix):]
-                return None if p in ("", ":memory:") else Path(p + LOCK_SUFFIX)
-        return None
-
-    def acquire(self) -> None:
-        if self.held:
-            return
-        if self.url.startswith(("postgresql", "postgres:")):
-            self._pg_acquire()
-        else:
-            path = self.file_for(self.url)
-            if path is not None and path.parent.is_dir():
-                import fcntl
-
-                if self._fd is None:
-                    self._created = not path.exists()
-                    self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-                    self._path = path
-                fcntl.flock(self._fd, fcntl.LOCK_EX)
-        self.held = True
-
-    def _pg_acquire(self) -> None:
-        if self._conn is None:
-            import sqlalchemy
-
-            try:
-                self._engine = sqlalchemy.create_engine(sqlalchemy_url(self.url), poolclass=sqlalchemy.pool.NullPool)
-                self._conn = self._engine.connect()
-                self._conn.execution_options(isolation_level="AUTOCOMMIT")
-            except Exception as e:
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise TunerError(f"storage {self.url!r} is unreachable: {msg[:200]}") from None
-        from sqlalchemy import text
-
-        self._conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": PG_LOCK_KEY})
-
-    def release(self) -> None:
-        if not self.held:
-            return
-        self.held = False
-        if self._conn is not None:
-            from sqlalchemy import text
-
-            with contextlib.suppress(Exception):
-                self._conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": PG_LOCK_KEY})
-        elif self._fd is not None:
-            import fcntl
-
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def close(self, remove_if_created: bool = False) -> None:
-        """Release and close; `remove_if_created` drops a lock file this process created (bad storage: nothing
-        is left behind)."""
-        self.release()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-            if remove_if_created and self._created and self._path is not None:
-                self._path.unlink(missing_ok=True)
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._engine.dispose()
-            self._conn = self._engine = None
-
-    def __enter__(self) -> StorageLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
 
 
 # --------------------------------------------------------------------------------------- study, trials --- #
@@ -373,73 +117,6 @@ def enqueue_start(study: Any, space: Any, seed: int, n_trials: int) -> None:
     if len(sweep) <= (n_trials - defaults) // 2:  # a sweep cut short is a random start-up that costs more
         for params in sweep:
             study.enqueue_trial(params, user_attrs={"startup": "format sweep"})
-
-
-def worker_tag() -> str:
-    """host:pid:start-time of this process (the start time tells a reused pid apart)."""
-    import psutil
-
-    return f"{socket.gethostname()}:{os.getpid()}:{int(psutil.Process().create_time())}"
-
-
-def local_worker_gone(tag: Any) -> bool:
-    """True when `tag` names a process of this host that no longer exists."""
-    import psutil
-
-    try:
-        host, pid, started = str(tag).rsplit(":", 2)
-        pid_i, started_i = int(pid), int(started)
-    except ValueError:
-        return False
-    if host != socket.gethostname():
-        return False
-    try:
-        return int(psutil.Process(pid_i).create_time()) != started_i
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:
-        return False
-
-
-def fail_dead_trials(study: Any) -> list[int]:
-    """Mark FAIL (with a reason) the RUNNING trials whose worker is gone: on this host at once (pid check), on any
-    host once its heartbeat is older than the grace period. Returns the trial numbers failed."""
-    import optuna
-    from optuna.trial import TrialState
-
-    stale, grace = stale_trial_ids(study)
-    failed = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        worker = t.user_attrs.get("worker")
-        if local_worker_gone(worker):
-            why = f"interrupted: its worker {worker} died during the trial (process gone)"
-        elif t._trial_id in stale:
-            why = (f"interrupted: no heartbeat from its worker {worker or '(unknown)'} for over {grace} s "
-                   "(worker killed or lost)")
-        else:
-            continue
-        try:
-            fail_trial(study, t, why)
-            failed.append(t.number)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            pass  # finished (or failed by another worker) in the meantime
-    return failed
-
-
-def warn_same_host(study: Any, device: str) -> None:
-    """Two workers on one host and device share its cores (or GPU): each one's measurements slow the other's, so
-    capacities are understated and noisy. Said once, on stderr, when another live worker of this study runs here."""
-    import sys
-
-    from optuna.trial import TrialState
-
-    host = socket.gethostname()
-    others = {t.user_attrs.get("worker") for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-    others = {w for w in others if w and str(w).startswith(host + ":") and not local_worker_gone(w)}
-    if others:
-        print(f"warning: another worker of study {study.study_name!r} is running on this host ({sorted(others)[0]}): "
-              f"trials on the same {device} share its cores and measure each other's load; run one worker per "
-              "machine for figures you will rely on", file=sys.stderr)
 
 
 def memory_note(reason: str, memory_bytes: int | None) -> str:
@@ -677,8 +354,6 @@ def remember_quality(ctx: SearchContext, trials: list[Any]) -> None:
             ctx.quality_memo.setdefault(quality_key(c), q)
 
 
-
-
 def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float, strategy: Any = None
                  ) -> dict[str, Any]:
     from tuner.files import write_json_atomic, write_text_atomic
@@ -702,7 +377,3 @@ def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float
     write_json_atomic(rec_path, {"study": study.study_name, "storage": storage_url, **a})
     return {"study": study.study_name, "storage": storage_url, "answer": a, "csv": str(csv_path),
             "recommendation_path": str(rec_path), "wall_s": wall_s}
-
-
-def load_json(path: Path) -> Any:
-    return json.loads(path.read_text())
