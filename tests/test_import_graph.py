@@ -9,8 +9,8 @@ tuner.quality.kld); the parent packages Python also runs on the way are not arro
 What counts as a circle: any cycle of such arrows, function-level ones included (stricter than module level only,
 which tuner also meets). Not arrows: the registries' names of lazily loaded modules (tuner.engines.registry's
 engine and quality modules, tuner.export's targets, tuner.cli's commands). A registry names its plugins as text
-so that it sits below them; a scorer that calls the dispatcher it was named by (tuner.quality.vllm ->
-tuner.quality.gate.score_quality for its fp32 baseline) is the plugin seam, not a module circle.
+so that it sits below them: tuner.quality.template finds an engine's scoring steps (and its baseline's) through the
+registry, so no scorer imports the dispatcher (tuner.quality.gate) that sits above it.
 """
 
 from __future__ import annotations

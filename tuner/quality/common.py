@@ -1,9 +1,9 @@
-"""What every quality scorer shares, below tuner.quality.gate and tuner.quality.kld: the result types, the cache (key, path,
-read, atomic write, versions), lm-eval's suite run and the per-task/per-item scores, and the template's last steps
-(a cache hit as this call's result, a result assembled from scores + baseline + KLD, the entry stored).
+"""What every quality scorer shares, below tuner.quality.template, tuner.quality.gate and tuner.quality.kld: the
+result types, the cache (key, path, read, atomic write, versions), lm-eval's suite run and the per-task/per-item scores.
 
-tuner.quality.gate (inputs, dispatch to the engine's scorer, paired comparison, gate), tuner.quality.kld and every
-tuner.quality.<engine> read these from here, so none of them imports another's helpers (no import circle).
+The scoring template (cache hit, baseline first, the engine's own scores, assembly, store) is tuner.quality.template;
+tuner.quality.gate (inputs, paired comparison, gate), tuner.quality.kld and every tuner.quality.<engine> read these
+from here, so none of them imports another's helpers (no import circle).
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ import logging
 import math
 import os
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from tuner.config import TrialConfig
 from tuner.errors import TunerError
 
 SCHEMA = 2  # bump when the way a number is computed changes (invalidates every cache entry). 2: per-item values
@@ -230,51 +228,3 @@ def evaluate_suite(lm: Any, tasks: tuple[str, ...], limit: int, seed: int) -> tu
     if out is None:
         raise RuntimeError("lm-eval returned no results")
     return tuple(task_score(name, out) for name in tasks)
-
-
-def suite_score(scores: tuple[TaskScore, ...]) -> tuple[float, float]:
-    """Mean accuracy over tasks and its stderr sqrt(sum stderr^2) / n (tasks independent)."""
-    n = len(scores)
-    return sum(s.acc for s in scores) / n, math.sqrt(sum(s.acc_stderr**2 for s in scores)) / n
-
-
-def cached_result(path: Path, key: dict[str, Any], config: TrialConfig, names: tuple[str, ...],
-                  t0: float) -> QualityResult | None:
-    """A cache entry for `key` as this call's result (tasks in the order asked), or None."""
-    hit = read_cache(path, key)
-    if hit is None:
-        return None
-    res = QualityResult.from_dict(hit)
-    order = {n: i for i, n in enumerate(names)}
-    return dataclasses.replace(
-        res, config=config.to_dict(), cached=True, wall_s=time.perf_counter() - t0,
-        tasks=tuple(sorted(res.tasks, key=lambda s: order[s.name])),
-        baseline_tasks=tuple(sorted(res.baseline_tasks, key=lambda s: order[s.name])),
-    )
-
-
-def assemble_result(config: TrialConfig, scores: tuple[TaskScore, ...], baseline: QualityResult | None, kld: Any,
-                    limit: int, seed: int, model_hash: str, versions: dict[str, str], t0: float,
-                    own_start: float) -> QualityResult:
-    """A format's QualityResult from its task scores, its baseline's (None: it is the baseline) and its KLD."""
-    score, stderr = suite_score(scores)
-    if baseline is None:
-        base_score, base_stderr, base_tasks = score, stderr, scores
-    else:
-        base_score, base_stderr, base_tasks = baseline.score, baseline.score_stderr, baseline.tasks
-    return QualityResult(
-        config=config.to_dict(), tasks=scores, score=score, score_stderr=stderr, baseline_score=base_score,
-        baseline_stderr=base_stderr, baseline_tasks=base_tasks, drop_pp=(base_score - score) * 100.0,
-        kld_mean=kld.mean, kld_mean_stderr=kld.mean_stderr, kld_p99=kld.p99, top1_agree=kld.top1_agree,
-        kld_tokens=kld.n_tokens, limit=limit, seed=seed, model_hash=model_hash, versions=versions, cached=False,
-        wall_s=time.perf_counter() - t0, compute_s=time.perf_counter() - own_start,
-    )
-
-
-def store_result(path: Path, key: dict[str, Any], result: QualityResult) -> QualityResult:
-    """Write the cache entry (atomically; without this call's own `cached`/`wall_s`) and return the result."""
-    entry = result.to_dict()
-    entry.pop("cached")
-    entry.pop("wall_s")
-    write_json_atomic(path, {"key": key, "result": entry})
-    return result

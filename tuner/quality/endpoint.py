@@ -8,21 +8,22 @@
   on the same items: the endpoint is judged against the full-precision weights it claims to serve.
 * KLD (approximation, as tuner.quality.vllm): the endpoint's top-K prompt log-probs against the top-K of the fp32
   reference distributions (tuner.quality.kld's stored reference), on the same held text and positions.
-* Not cached: the server behind a URL can change between two calls.
+* Not cached (its plan has no key): the server behind a URL can change between two calls. Its fp32 baseline is
+  (the transformers entry, found or written by the same template).
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
 from tuner.config import TrialConfig
-from tuner.errors import TunerError, UnsupportedConfig
-from tuner.quality.common import BASELINE, assemble_result, library_versions
+from tuner.errors import TunerError, UnsupportedConfig, one_line
+from tuner.quality.common import BASELINE, library_versions
 from tuner.quality.kld import LP_STEP, KLDResult
+from tuner.quality.template import Plan
 from tuner.quality.vllm import TOP_K, endpoint_suite, prompt_topk, served_topk, topk_kld
 from tuner.quality.vllm import screen_kld as screen_kld  # the top-K KLD comes with the scoring, as on vLLM
 
@@ -47,39 +48,51 @@ def probe_prompt_logprobs(base_url: str, model_name: str, headers: dict[str, str
                                 "does (vLLM, SGLang); llama-server and chat-only APIs do not")
 
 
-def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
-                  progress: bool = True) -> Any:
-    """QualityResult of what `config.endpoint` serves, against the fp32 model `config.model` (transformers)."""
+def plan_scoring(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
+                 progress: bool = True) -> Plan:
+    """The template's first step (tuner.quality.template): the endpoint reached, its key accepted, its model name
+    resolved and its prompt log-probs probed (before the baseline's work); no cache key; the baseline the fp32 model
+    `config.model` on transformers."""
     from tuner.engines.endpoint import EndpointEngine, api_headers
-    from tuner.models import checkpoint_dir, resolve_source, source_hash
-    from tuner.quality.gate import score_quality as score_transformers
-    from tuner.quality.kld import ensure_reference, held_chunks
-    from tuner.quantize import load_tokenizer
+    from tuner.models import resolve_source, source_hash
 
-    t0 = time.perf_counter()
     engine = EndpointEngine(config, ignore_eos=False)
     engine.prepare()  # reachable, key accepted, model name resolved (TunerError otherwise)
     probe_prompt_logprobs(engine.base_url, engine.model_name, api_headers())
-    reference = TrialConfig(model=config.model, quant=BASELINE, device="cpu")
-    baseline = score_transformers(reference, names, limit, seed, kld_tokens=kld_tokens, progress=progress)
-    own_start = time.perf_counter()
-    model_hash = source_hash(resolve_source(config.model))
+    versions = {**library_versions(BASELINE), "endpoint": engine.base_url, "served_model": engine.model_name}
+    return Plan(source_hash(resolve_source(config.model)), versions, None, reference_config(config), state=engine)
+
+
+def reference_config(config: TrialConfig) -> TrialConfig:
+    """The fp32 model the endpoint is judged against: `config.model` on transformers, on the CPU."""
+    return TrialConfig(model=config.model, quant=BASELINE, device="cpu")
+
+
+def score_config(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
+                 progress: bool, plan: Plan) -> tuple[tuple[Any, ...], KLDResult]:
+    """The tasks through the endpoint (lm-eval local-completions), and its top-K KLD from the fp32 reference."""
+    from tuner.engines.endpoint import api_headers
+    from tuner.models import checkpoint_dir
+    from tuner.quality.kld import ensure_reference, held_chunks
+    from tuner.quantize import load_tokenizer
+
+    engine = plan.state
     tok_dir = checkpoint_dir(config.model)
     headers = api_headers()
     if progress:
         print(f"tuner eval: scoring {engine.model_name!r} through {engine.base_url}", file=sys.stderr, flush=True)
     scores = endpoint_suite(engine.base_url, engine.model_name, str(tok_dir), names, limit, seed, headers)
-    versions = {**library_versions(BASELINE), "endpoint": engine.base_url, "served_model": engine.model_name}
-    ref, _ = ensure_reference(reference, model_hash, kld_tokens, library_versions(BASELINE), progress)
+    ref, _ = ensure_reference(reference_config(config), plan.model_hash, kld_tokens, library_versions(BASELINE),
+                              progress)
     chunks = held_chunks(load_tokenizer(tok_dir), kld_tokens)
     try:
         cand = served_topk(engine.base_url, engine.model_name, chunks, headers)
     except Exception as e:
         raise TunerError(f"endpoint {engine.base_url} returned no prompt top-{TOP_K} log-probs "
-                         f"({type(e).__name__}): expected echo with logprobs") from None
+                         f"({one_line(e)}): expected echo with logprobs") from None
     n = min(len(cand), len(ref.codes))
     kld = topk_kld(reference_topk(ref.codes[:n]), cand[:n]) if n else KLDResult(float("nan"), 0.0, 0.0, 0.0, 0)
-    return assemble_result(config, scores, baseline, kld, limit, seed, model_hash, versions, t0, own_start)
+    return scores, kld
 
 
 # ------------------------------------------------------------------ the registry's quality API (registry.py) --- #

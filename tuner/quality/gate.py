@@ -23,9 +23,11 @@ whether it stays within a quality budget: `quality_gate(result, max_drop_pp, con
   `results/quality/` under the working directory) and are written atomically (temp file + os.replace), so an
   interrupted run leaves no partial entry. A hit returns at once with `cached=True`.
 * Per engine: the inputs are checked here, then the engine's quality module (named by tuner.engines.registry:
-  tuner.quality.transformers, _llamacpp, _vllm, _endpoint) checks what it needs, scores, screens on KLD and says
-  what its baseline is. What they all share (result types, cache, lm-eval's suite run, the template's last steps)
-  lives below them and tuner.quality.kld in tuner.quality.common.
+  tuner.quality.transformers, .llamacpp, .vllm, .endpoint) checks what it needs, fills in the two steps of the one
+  scoring template (tuner.quality.template: `plan_scoring` gives the cache key and the baseline, `score_config` this
+  config's own scores and KLD; the template does the cache hit, the baseline first, the assembly and the atomic
+  store), screens on KLD and says what its baseline is. What they all share (result types, cache, lm-eval's suite
+  run) lives below them and tuner.quality.kld in tuner.quality.common.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tuner.config import TrialConfig
 from tuner.engines.registry import backend
 from tuner.errors import TunerError
 from tuner.quality.common import BASELINE, DEFAULT_LIMIT, DEFAULT_SEED, QualityResult
+from tuner.quality.template import score_through_cache
 
 DEFAULT_CONFIDENCE = 0.95
 WITHIN, EXCEEDS, INDETERMINATE = "within", "exceeds", "indeterminate"
@@ -91,12 +94,13 @@ def check_confidence(confidence: Any) -> float:
 def score_quality(config: TrialConfig, tasks: Any = None, limit: int = DEFAULT_LIMIT, seed: int = DEFAULT_SEED, *,
                   kld_tokens: int | None = None, progress: bool = True) -> QualityResult:
     """Score `config` (accuracy on `tasks`, drop and KLD vs its engine's full-precision baseline), through the cache:
-    the inputs checked here, the scoring by the engine's quality module (tuner.engines.registry)."""
+    the inputs checked here, then tuner.quality.template's one template with the engine's steps (its quality module,
+    named by tuner.engines.registry)."""
     from tuner.quality.kld import DEFAULT_KLD_TOKENS
 
     kld_tokens = DEFAULT_KLD_TOKENS if kld_tokens is None else kld_tokens
     names = check_inputs(config, tasks, limit, seed, kld_tokens)
-    return backend(config.engine).quality().score_quality(config, names, limit, seed, kld_tokens, progress)
+    return score_through_cache(config, names, limit, seed, kld_tokens, progress)
 
 
 # -------------------------------------------------------------------------------- paired comparison ---- #

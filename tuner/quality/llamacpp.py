@@ -17,8 +17,9 @@ already quote for a quantization (KLD, top-1 agreement, multiple-choice scores).
 * KLD: `--kl-divergence-base` on the baseline over the held text (LAMBADA passages, 512-token chunks, the second half
   of each scored: 255 tokens), then `--kl-divergence` on the candidate; mean ± stderr, 99th percentile and "Same top
   p" (top-1 agreement) as llama.cpp prints them.
-* Cache: as tuner.quality.gate, keyed by model hash, engine, weight type, KV type, tasks, limit, seed, KLD tokens and the
-  llama.cpp commit + lm-eval/datasets versions.
+* Cache: tuner.quality.template's (this module gives its two steps, plan_scoring and score_config), keyed by model
+  hash, engine, weight type, KV type, tasks, limit, seed, KLD tokens and the llama.cpp commit + lm-eval/datasets
+  versions.
 """
 
 from __future__ import annotations
@@ -28,26 +29,15 @@ import re
 import struct
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tuner.config import TrialConfig
 from tuner.errors import TunerError, UnsupportedConfig
-from tuner.quality.common import (
-    TaskScore,
-    assemble_result,
-    cache_path,
-    cached_result,
-    digest,
-    package_versions,
-    read_cache,
-    results_dir,
-    store_result,
-    write_json_atomic,
-)
+from tuner.quality.common import TaskScore, digest, package_versions, read_cache, results_dir, write_json_atomic
 from tuner.quality.kld import KLD_CTX, KLDResult, scored_per_chunk
+from tuner.quality.template import Plan
 
 BASELINE_QUANT, BASELINE_KV = "F32", "f32"
 METRIC = "acc_per_token"
@@ -323,33 +313,30 @@ def check_available(names: tuple[str, ...] = ()) -> None:
     binary("llama-quantize")
 
 
-def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
-                  progress: bool = True) -> Any:
-    """QualityResult of `config` on llama.cpp (tasks by llama-perplexity, drop vs F32/f32, KLD), through the cache."""
-    from tuner.engines.llamacpp import quantized_gguf, source_gguf
+def plan_scoring(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
+                 progress: bool = True) -> Plan:
+    """The template's first step (tuner.quality.template): a GGUF source (a checkpoint directory is refused), the key
+    of weight type + KV type + llama.cpp commit, the F32/f32 config as the baseline."""
+    from tuner.engines.llamacpp import source_gguf
     from tuner.models import resolve_source, source_hash
 
-    t0 = time.perf_counter()
-    check_available(names)
     source_gguf(config.model)  # llama.cpp serves GGUF files: a checkpoint directory is refused here
     model_hash = source_hash(resolve_source(config.model))
     vers = versions()
     key = {"schema": 2, "engine": "llamacpp", "model_hash": model_hash, "quant": f"llamacpp-{config.quant}-"
            f"{config.kv_type}", "tasks": sorted(names), "limit": limit, "seed": seed, "kld_tokens": kld_tokens,
            "ctx": MC_CTX, "versions": vers}
-    path = cache_path(key)
-    hit = cached_result(path, key, config, names, t0)
-    if hit is not None:
-        return hit
-    baseline = None
-    own_start = t0
-    if not is_baseline(config):
-        baseline = score_quality(baseline_config(config), names, limit, seed, kld_tokens, progress)
-        own_start = time.perf_counter()
+    return Plan(model_hash, vers, key, None if is_baseline(config) else baseline_config(config))
+
+
+def score_config(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
+                 progress: bool, plan: Plan) -> tuple[tuple[TaskScore, ...], KLDResult]:
+    """llama-perplexity's multiple-choice scores of the served GGUF + KV type, and its KLD from F32/f32."""
+    from tuner.engines.llamacpp import quantized_gguf
+
     scores = score_tasks(quantized_gguf(config.model, config.quant), config.kv_type, names, limit, progress)
-    kld, _ = score_kld(config, model_hash, kld_tokens, progress)
-    return store_result(path, key, assemble_result(config, scores, baseline, kld, limit, seed, model_hash, vers,
-                                                   t0, own_start))
+    kld, _ = score_kld(config, plan.model_hash, kld_tokens, progress)
+    return scores, kld
 
 
 # ------------------------------------------------------------------ the registry's quality API (registry.py) --- #

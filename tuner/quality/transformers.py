@@ -1,25 +1,17 @@
 """Quality of a transformers config (the registry's quality module for engine `transformers`): lm-eval on the very
 model object `load_model(config)` returns, the baseline the fp32 model of the same weights, the KLD over full
-distributions (tuner.quality.kld); cached as tuner.quality.gate describes."""
+distributions (tuner.quality.kld); its two steps of tuner.quality.template's scoring template, cached as
+tuner.quality.gate describes."""
 
 from __future__ import annotations
 
 import gc
-import time
 from typing import Any
 
 from tuner.config import TrialConfig, resolve_device
 from tuner.errors import UnsupportedConfig
-from tuner.quality.common import (
-    BASELINE,
-    assemble_result,
-    cache_key,
-    cache_path,
-    cached_result,
-    library_versions,
-    run_suite,
-    store_result,
-)
+from tuner.quality.common import BASELINE, TaskScore, cache_key, library_versions, run_suite
+from tuner.quality.template import Plan
 
 
 def check_inputs(config: TrialConfig, names: tuple[str, ...]) -> None:
@@ -41,41 +33,33 @@ def check_inputs(config: TrialConfig, names: tuple[str, ...]) -> None:
             raise UnsupportedConfig(f"format {quant!r} is unsupported on {device}: {reason}")
 
 
-def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
-                  progress: bool = True) -> Any:
-    """QualityResult of `config` (tasks, drop and KLD vs the fp32 baseline, scored first), through the cache."""
+def plan_scoring(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
+                 progress: bool = True) -> Plan:
+    """The template's first step (tuner.quality.template): the cache key of the weights + format (not the device or
+    the serving knobs), the fp32 model of the same weights as the baseline."""
     from tuner.models import resolve_source, source_hash
-    from tuner.quality.gate import score_quality as score_any
-    from tuner.quality.kld import score_kld
 
-    t0 = time.perf_counter()
     model_hash = source_hash(resolve_source(config.model))
     versions = library_versions(config.quant)
     key = cache_key(model_hash, config.quant, names, limit, seed, kld_tokens, versions)
-    path = cache_path(key)
-    hit = cached_result(path, key, config, names, t0)
-    if hit is not None:
-        return hit
+    baseline = None if config.quant == BASELINE else config.replace(quant=BASELINE)
+    return Plan(model_hash, versions, key, baseline)
 
-    baseline = None
-    own_start = t0
-    if config.quant != BASELINE:
-        baseline = score_any(config.replace(quant=BASELINE), names, limit, seed, kld_tokens=kld_tokens,
-                             progress=progress)
-        own_start = time.perf_counter()  # compute_s counts this format's own work, not the baseline's
 
+def score_config(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
+                 progress: bool, plan: Plan) -> tuple[tuple[TaskScore, ...], Any]:
+    """lm-eval on the very model `load_model(config)` returns, and its KLD from the fp32 reference (one load)."""
+    from tuner.quality.kld import score_kld
     from tuner.quantize import load_model
 
     model, tokenizer = load_model(config)
     try:
         scores = run_suite(model, tokenizer, names, limit, seed)
-        kld, _ = score_kld(config, model_hash, kld_tokens, versions, progress, model, tokenizer)
+        kld, _ = score_kld(config, plan.model_hash, kld_tokens, plan.versions, progress, model, tokenizer)
     finally:
         del model, tokenizer
         gc.collect()
-
-    return store_result(path, key, assemble_result(config, scores, baseline, kld, limit, seed, model_hash, versions,
-                                                   t0, own_start))
+    return scores, kld
 
 
 def screen_kld(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int, model_hash: str,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import urllib.request
 from typing import Any
 
@@ -25,19 +24,9 @@ import numpy as np
 
 from tuner.config import TrialConfig
 from tuner.errors import TunerError
-from tuner.quality.common import (
-    assemble_result,
-    cache_path,
-    cached_result,
-    digest,
-    evaluate_suite,
-    package_versions,
-    read_cache,
-    results_dir,
-    store_result,
-    write_json_atomic,
-)
+from tuner.quality.common import digest, evaluate_suite, package_versions, read_cache, results_dir, write_json_atomic
 from tuner.quality.kld import KLD_CTX, KLDResult, held_chunks, scored_per_chunk
+from tuner.quality.template import Plan, score_through_cache
 
 BASELINE_QUANT = "fp32"
 TOP_K = 20
@@ -104,36 +93,34 @@ def topk_kld(ref: list[dict[int, float]], cand: list[dict[int, float]]) -> KLDRe
                      p99=float(np.percentile(k, 99)), top1_agree=float(np.mean(agree)), n_tokens=len(k))
 
 
-def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
-                  progress: bool = True) -> Any:
-    """QualityResult of `config` served by vLLM (tasks through the endpoint, drop vs fp32 on vLLM, top-K KLD),
-    through the cache."""
-    import sys
+def plan_scoring(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
+                 progress: bool = True) -> Plan:
+    """The template's first step (tuner.quality.template): the key of format + vLLM version + top-K, the fp32 model
+    served by the same vLLM (no draft) as the baseline."""
+    from tuner.models import resolve_source, source_hash
 
-    from tuner.engines.vllm import VllmEngine
-    from tuner.models import checkpoint_dir, resolve_source, source_hash
-    from tuner.quantize import load_tokenizer
-
-    t0 = time.perf_counter()
     model_hash = source_hash(resolve_source(config.model))
     vers = versions()
     key = {"schema": 1, "engine": "vllm", "model_hash": model_hash, "quant": f"vllm-{config.quant}",
            "tasks": sorted(names), "limit": limit, "seed": seed, "kld_tokens": kld_tokens, "top_k": TOP_K,
            "versions": vers}
-    path = cache_path(key)
-    hit = cached_result(path, key, config, names, t0)
-    if hit is not None:
-        return hit
-    baseline = None
-    own_start = t0
-    is_base = config.quant == BASELINE_QUANT
-    if not is_base:
-        baseline = score_quality(config.replace(quant=BASELINE_QUANT, draft="none"), names, limit, seed, kld_tokens,
-                                 progress)
-        own_start = time.perf_counter()
-    ref_key = {"kind": "vllm-topk-ref", "model_hash": model_hash, "kld_tokens": kld_tokens, "top_k": TOP_K,
-               "versions": vers}
-    ref_path = results_dir() / model_hash / f"vllm-topk-ref-{digest(ref_key)}.json"
+    baseline = None if config.quant == BASELINE_QUANT else config.replace(quant=BASELINE_QUANT, draft="none")
+    return Plan(model_hash, vers, key, baseline)
+
+
+def score_config(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int,
+                 progress: bool, plan: Plan) -> tuple[tuple[Any, ...], KLDResult]:
+    """Start vLLM as the bench does, score the tasks through its endpoint and read its top-K log-probs on the held
+    text; the fp32 run stores them as the reference (KLD 0), any other format is compared with that reference."""
+    import sys
+
+    from tuner.engines.vllm import VllmEngine
+    from tuner.models import checkpoint_dir
+    from tuner.quantize import load_tokenizer
+
+    ref_key = {"kind": "vllm-topk-ref", "model_hash": plan.model_hash, "kld_tokens": kld_tokens, "top_k": TOP_K,
+               "versions": plan.versions}
+    ref_path = results_dir() / plan.model_hash / f"vllm-topk-ref-{digest(ref_key)}.json"
     tok_dir = checkpoint_dir(config.model)
     chunks = held_chunks(load_tokenizer(tok_dir), kld_tokens)
     engine = VllmEngine(config.replace(draft="none"), ignore_eos=False)
@@ -148,17 +135,14 @@ def score_quality(config: TrialConfig, names: tuple[str, ...], limit: int, seed:
         cand = served_topk(url, name, chunks)
     finally:
         engine.stop(drain=False)
-    if is_base:
+    if plan.baseline is None:
         write_json_atomic(ref_path, {"key": ref_key,
                                      "result": {"positions": [{str(t): v for t, v in d.items()} for d in cand]}})
-        kld = KLDResult(0.0, 0.0, 0.0, 1.0, len(cand))
-    else:
-        ref = read_cache(ref_path, ref_key)
-        if ref is None:
-            raise TunerError(f"the fp32 vLLM reference {str(ref_path)!r} is missing: score --quant fp32 first")
-        kld = topk_kld([{int(t): v for t, v in d.items()} for d in ref["positions"]], cand)
-    return store_result(path, key, assemble_result(config, scores, baseline, kld, limit, seed, model_hash, vers,
-                                                   t0, own_start))
+        return scores, KLDResult(0.0, 0.0, 0.0, 1.0, len(cand))
+    ref = read_cache(ref_path, ref_key)
+    if ref is None:
+        raise TunerError(f"the fp32 vLLM reference {str(ref_path)!r} is missing: score --quant fp32 first")
+    return scores, topk_kld([{int(t): v for t, v in d.items()} for d in ref["positions"]], cand)
 
 
 # ------------------------------------------------------------------ the registry's quality API (registry.py) --- #
@@ -175,10 +159,9 @@ def check_inputs(config: TrialConfig, names: tuple[str, ...]) -> None:
 
 def screen_kld(config: TrialConfig, names: tuple[str, ...], limit: int, seed: int, kld_tokens: int, model_hash: str,
                progress: bool = True) -> tuple[KLDResult, bool, dict[str, str]]:
-    """The top-K KLD comes with the endpoint's scoring: the whole score (cached), its KLD figures."""
-    from tuner.quality.gate import score_quality as score_any
-
-    res = score_any(config, names, limit, seed, kld_tokens=kld_tokens, progress=progress)
+    """The top-K KLD comes with the endpoint's scoring: the whole score (through the template's cache), its KLD
+    figures."""
+    res = score_through_cache(config, names, limit, seed, kld_tokens, progress)
     return (KLDResult(res.kld_mean, res.kld_mean_stderr, res.kld_p99, res.top1_agree, res.kld_tokens), res.cached,
             res.versions)
 
