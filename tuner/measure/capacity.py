@@ -86,7 +86,7 @@ class CapacityOptions:
     # its cap after one more pass at an undecided rate
     max_probes: int = 5  # open-loop probes (the saturation probe not counted); the lower bound's alpha is spent
     # over all of them
-    max_requests: int = 1000  # the rate probes together, lead-ins included (the warm-up and saturation, sized by the
+    max_requests: int = 600  # the rate probes together, lead-ins included (the warm-up and saturation, sized by the
     # batch cap, come on top: a server with 128 slots needs its 128-request warm-up and a saturation beyond 128)
     max_wall_s: float = 600.0  # DEFAULT_TIMEOUT_S; no new probe starts past this (a started probe may run to its own time limit)
     tolerance: float = 0.1  # stop when (high - low) <= tolerance * high
@@ -95,8 +95,6 @@ class CapacityOptions:
     seed: int = 0
     saturation_requests: int | None = None  # most the saturation probe sends; default 2 x (in-flight + steady_count)
     steady_s: float = 10.0  # the saturation probe's steady window lasts this long at least
-    start_rps: float | None = None  # the first rate probed (a predicted capacity: tuner search --strategy predict);
-    # None, or at or above the saturation rate: FIRST_PROBE x the saturation rate
 
     def __post_init__(self) -> None:
         from tuner.errors import TunerError
@@ -108,8 +106,6 @@ class CapacityOptions:
             raise TunerError(f"--max-probes {self.max_probes} is invalid: expected an integer >= 1")
         if not 0 < self.tolerance < 1:
             raise TunerError(f"capacity tolerance {self.tolerance} is invalid: expected a number in (0, 1)")
-        if self.start_rps is not None and not self.start_rps > 0:
-            raise TunerError(f"capacity start rate {self.start_rps} is invalid: expected a rate > 0 req/s (or none)")
 
     @staticmethod
     def warmup_count(batch_cap: int) -> int:
@@ -138,10 +134,10 @@ class CapacityOptions:
         alpha = 1.0 - self.slo.confidence
         return 1.0 - alpha / (2 * self.max_probes * LOOKS_PER_PROBE)
 
-    def stop_confidence(self, probe_size: int = 0) -> float:
-        """A probe's early stop tests after every completion: each check at the look's alpha divided by the checks it
-        may make (up to its cap, or its own size for a long probe near saturation)."""
-        return 1.0 - (1.0 - self.look_confidence()) / max(self.probe_requests[1], probe_size)
+    def stop_confidence(self) -> float:
+        """A probe's early stop tests after every completion, up to its cap: each check at the look's alpha divided
+        by the checks it may make."""
+        return 1.0 - (1.0 - self.look_confidence()) / self.probe_requests[1]
 
     def pool_size(self, batch_cap: int, measurements: int = 1) -> int:
         """Prompts `measurements` capacity measurements may send, each once: warm-up, saturation, the rate probes'
@@ -467,24 +463,13 @@ class CapacitySearch:
         the heavy-traffic (diffusion) approximation: ((ca^2 + cs^2) / 2) / (mu (1 - sqrt(rho))^2) -- M/M/1's time
         constant of the approach to steady state from empty when ca = cs = 1 (`variability`) -- and at least
         `ramp_fraction` of the pass. Poisson arrivals and 24:48 output tokens: 23 arrivals at 0.75 x mu, 58 at
-        0.83, 188 at 0.9, 555 at 0.94. A queue that needs more than a probe's cap (its lead-in or its window) gets a
-        long probe, the budget moving to the rates near the capacity: as long as the requests and the time the
-        measurement has left hold it (`room`). None when they do not: so close to saturation that no probe within
-        the budget reaches the steady state, and the rate is not claimed."""
+        0.83, 188 at 0.9, 555 at 0.94. None when it exceeds the probe's cap: so close to saturation that no probe
+        within the budget reaches the steady state, and the rate is not claimed."""
         rho = rate / self.sat_rps
         if rho >= 1.0:
             return None
         lead = max(1, math.ceil(self.o.ramp_fraction * n), math.ceil(rate * self.relax_s(rate)))
-        cap = self.o.probe_requests[1]
-        if lead <= cap and self.window(rate) <= cap:
-            return lead
-        return lead if lead + n <= self.room(rate) else None
-
-    def room(self, rate: float) -> int:
-        """Requests one probe at `rate` may still send: what is left of the rate probes' request budget, and of the
-        time budget at `rate` (less a canary's time after it)."""
-        left_s = self.o.max_wall_s - (self.clock() - self.t0) - self.canary_s()
-        return max(0, min(self.o.max_requests - self.probe_requests_used, math.floor(left_s * rate)))
+        return lead if lead <= self.o.probe_requests[1] and self.window(rate) <= self.o.probe_requests[1] else None
 
     def window(self, rate: float) -> int:
         """Measured requests a probe needs at `rate` before it may say `meets`: `WINDOW_RELAX` relaxation times of
@@ -511,11 +496,8 @@ class CapacitySearch:
         return (ca2 + max(cs2, MIN_SERVICE_CV2)) / 2.0
 
     def first_pass(self, rate: float | None = None) -> int:
-        """A probe's first pass: what its percentile needs (at least the first of --probe-requests, at most the cap),
-        and near saturation the window that spans its queue (`window`: beyond the cap when the budget holds it)."""
         first, cap = self.o.probe_requests
-        window = self.window(rate) if rate and self.sat_rps else 0
-        return max(min(max(first, self.min_needed()), cap), window if window < math.inf else cap)
+        return min(max(first, self.min_needed(), self.window(rate) if rate and self.sat_rps else 0), cap)
 
     def probe(self, rate: float, lead: int) -> dict[str, Any]:
         """One rate: a pass of `lead` arrivals (left out) then `first_pass()` measured ones, and while undecided one
@@ -536,7 +518,7 @@ class CapacitySearch:
             reqs = with_arrivals(batch, rate, self.o.arrival, self.o.seed + offset)
             span = (reqs[-1].arrival_s or 0.0) if reqs else 0.0
             load = self.run(reqs, concurrency=None, timeout_s=2.0 * span + 60.0,
-                            should_stop=certain_miss(self.o.slo, lead, self.o.stop_confidence(n)))
+                            should_stop=certain_miss(self.o.slo, lead, self.o.stop_confidence()))
             self.requests_used += len(reqs)
             self.probe_requests_used += len(reqs)
             offset += len(reqs)
@@ -635,7 +617,7 @@ class CapacitySearch:
         high = sat["requests_per_s"]  # an open-loop rate above the service rate is not sustainable
         low = 0.0
         low_probe: dict[str, Any] | None = None
-        rate = o.start_rps if o.start_rps and o.start_rps < high else FIRST_PROBE * high
+        rate = FIRST_PROBE * high
         floor = high / 64.0
         unreached: list[float] = []  # rates too close to saturation for a probe to reach their steady state
         while len(self.probes) < o.max_probes:
@@ -682,10 +664,9 @@ class CapacitySearch:
             self.notes.append(
                 f"{r:.3g} req/s and above not probed: at {r / self.sat_rps:.0%} of the saturation rate the queue needs "
                 f"about {math.ceil(r * self.relax_s(r))} arrivals to reach its steady state and "
-                f"{self.window(r)} measured ones to span {WINDOW_RELAX:g} relaxation times, more than the capacity "
-                f"budget had left for one probe ({o.max_requests} requests and --capacity-timeout {o.max_wall_s:g} s "
-                "for the rate probes together); a short probe there measures an engine that has not queued yet, or "
-                "one draw of its queue (raise --capacity-timeout to claim rates closer to saturation)")
+                f"{self.window(r)} measured ones to span {WINDOW_RELAX:g} relaxation times, more than a probe's "
+                f"{o.probe_requests[1]}; a short probe there measures an engine that has not queued yet, or one "
+                "draw of its queue (raise --probe-requests to claim rates closer to saturation)")
         canary = engine_drift(self.canaries, self.notes)
         self.mark("the last canary")
         host = load_by_step(self.marks, self.notes)
@@ -719,7 +700,6 @@ class CapacitySearch:
             "min_requests_to_meet": need,
             "method": {"probe_requests": list(o.probe_requests), "max_probes": o.max_probes,
                        "tolerance": o.tolerance, "ramp_fraction": o.ramp_fraction, "arrival": o.arrival,
-                       "start_rps": o.start_rps,
                        "confidence": o.slo.confidence, "looks": o.max_probes * LOOKS_PER_PROBE,
                        "look_confidence": look,
                        "interval": "each end one-sided at half the alpha, spent over every probe and look "
