@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -585,3 +586,125 @@ def test_the_readme_example_is_what_the_answer_prints(tmp_path):
     lines = block.strip("\n").splitlines()
     assert len(lines) >= 3 and lines[0].startswith("RECOMMENDED: trial 7")
     assert all(line in printed for line in lines), [line for line in lines if line not in printed]
+
+
+# ----------------------------------------------------------------------------- one home per default --- #
+def command_parser(command: str) -> argparse.ArgumentParser:
+    """The real parser of one `tuner` command, built as tuner.cli builds it."""
+    import importlib
+
+    from tuner.cli import COMMANDS, OneLineParser
+
+    sub = OneLineParser(prog="tuner").add_subparsers(dest="command")
+    importlib.import_module(COMMANDS[command][0]).add_parser(sub)
+    return sub.choices[command]
+
+
+def test_every_search_bench_and_eval_flag_default_is_its_homes_value():
+    """Parsed with no flag, `tuner search`, `tuner worker`, `tuner bench` and `tuner eval` hold the value of each
+    setting's one home: a literal re-typed in the CLI that differs from it fails here."""
+    from tuner.cli.bench import capacity_settings
+    from tuner.config import TrialConfig
+    from tuner.measure.bench import BenchOptions
+    from tuner.measure.capacity import CapacityOptions
+    from tuner.quality.common import DEFAULT_LIMIT, DEFAULT_SEED
+    from tuner.quality.gate import DEFAULT_CONFIDENCE
+    from tuner.quality.kld import DEFAULT_KLD_TOKENS
+    from tuner.search import objective as home
+    from tuner.slo import DEFAULT_LATENCY_METRIC, SLO
+
+    for command in ("search", "worker"):
+        a = command_parser(command).parse_args(["--model", "m"])
+        assert (a.trials, a.confirm, a.max_quality_drop, a.seed, a.results_dir, a.device, a.served_model) == \
+            (home.TRIALS, home.CONFIRM, home.MAX_QUALITY_DROP_PP, home.SEED, home.RESULTS_DIR, TrialConfig.device,
+             TrialConfig.served_model)
+        assert parse_duration_s(a.trial_timeout) == home.TRIAL_TIMEOUT_S
+        assert (a.confidence, a.latency_metric) == (SLO.confidence, DEFAULT_LATENCY_METRIC)
+        cap = capacity_settings(a)
+        assert (cap["max_probes"], cap["timeout_s"], cap["probe_requests"], cap["saturation_requests"]) == \
+            (CapacityOptions.max_probes, CapacityOptions.max_wall_s, None, CapacityOptions.saturation_requests)
+    b = command_parser("bench").parse_args([])
+    assert (b.timeout, b.confidence, b.latency_metric) == (BenchOptions.timeout_s, SLO.confidence,
+                                                          DEFAULT_LATENCY_METRIC)
+    cap = capacity_settings(b)
+    assert (cap["max_probes"], cap["timeout_s"]) == (CapacityOptions.max_probes, CapacityOptions.max_wall_s)
+    e = command_parser("eval").parse_args(["--model", "m"])
+    assert (e.limit, e.seed, e.confidence, e.kld_tokens, e.engine, e.kv_type, e.device, e.served_model) == \
+        (DEFAULT_LIMIT, DEFAULT_SEED, DEFAULT_CONFIDENCE, DEFAULT_KLD_TOKENS, TrialConfig.engine, TrialConfig.kv_type,
+         TrialConfig.device, TrialConfig.served_model)
+
+
+def test_every_default_a_help_text_states_is_its_homes_value():
+    """Each default a `--help` line states ("(default ...)") is read back from the help and compared with its home;
+    a line that states a figure as its default and is not listed here fails too (a new default typed into a help
+    string must be added here, and then equals its home)."""
+    import re
+
+    from tuner.config import TrialConfig
+    from tuner.engines.registry import backend
+    from tuner.measure.bench import BenchOptions
+    from tuner.measure.capacity import CapacityOptions, probe_requests_for
+    from tuner.measure.workload import WorkloadSpec
+    from tuner.quality.common import DEFAULT_LIMIT, DEFAULT_SEED
+    from tuner.quality.gate import DEFAULT_CONFIDENCE
+    from tuner.quality.kld import DEFAULT_KLD_TOKENS
+    from tuner.search import objective as home
+    from tuner.slo import DEFAULT_ATTAINMENT, DEFAULT_LATENCY_METRIC, SLO
+
+    _, p90 = build_slo("1s", "ttft:p90", None, None, SLO.confidence)
+    o, c, w = CapacityOptions, TrialConfig, WorkloadSpec
+    number, word, text_ = r"\(default ([0-9.]+)\)", r"\(default ([\w.:-]+)\)", str
+    capacity = {  # flag: (pattern read from its help, the home's values, how a match is read)
+        "--attainment": (number, (DEFAULT_ATTAINMENT,), float),
+        "--confidence": (number, (SLO.confidence,), float),
+        "--probe-requests": (r"at least (\d+):(\d+); p90: (\d+):(\d+)\)",
+                             (*o.probe_requests, *probe_requests_for(p90, o.max_probes, None)), int),
+        "--max-probes": (number, (o.max_probes,), int),
+        "--capacity-timeout": (word, (o.max_wall_s,), parse_duration_s),
+        "--saturation-requests": (r"max\(in-flight, (\d+)\) completions over ([0-9.]+) s \(default 2 x",
+                                  (o.steady_count(1), o.steady_s), float),
+        "--latency-metric": (word, (DEFAULT_LATENCY_METRIC,), text_),
+    }
+    search = {
+        **capacity,
+        "--max-quality-drop": (number, (home.MAX_QUALITY_DROP_PP,), float),
+        "--quality-max-limit": (r"else (\d+)x --quality-limit\)", (home.QUALITY_MAX_LIMIT_FACTOR,), int),
+        "--quality-limit": (r"else (\d+)\)", (home.QUALITY_LIMIT,), int),
+        "--quality-tasks": (r"else ([\w,]+)\)", (",".join(home.QUALITY_TASKS),), text_),
+        "--trials": (number, (home.TRIALS,), int),
+        "--confirm": (r"\(default (\d+);", (home.CONFIRM,), int),
+        "--trial-timeout": (word, (home.TRIAL_TIMEOUT_S,), parse_duration_s),
+        "--seed": (number, (home.SEED,), int),
+        "--device": (word, (c.device,), text_),
+        "--results-dir": (r"\(default (\w+)/\)", (home.RESULTS_DIR,), text_),
+    }
+    quant = (r"\(default (\S+)\); llamacpp: .* \(default (\S+)\)$",
+             (backend("transformers").default_quant, backend("llamacpp").default_quant), text_)
+    expected = {
+        "search": search, "worker": search,
+        "bench": {**capacity, "--timeout": (number, (BenchOptions.timeout_s,), float),
+                  "--engine": (word, (c.engine,), text_), "--quant": quant, "--kv-type": (word, (c.kv_type,), text_),
+                  "--batch-cap": (number, (c.batch_cap,), int), "--kv-fraction": (number, (c.kv_fraction,), float),
+                  "--draft": (word, (c.draft,), text_), "--device": (word, (c.device,), text_),
+                  "--requests": (number, (w.requests,), int), "--rate": (number, (w.rate,), float),
+                  "--arrival": (word, (w.arrival,), text_),
+                  "--input-len": (r"\(default (\d+):(\d+)\)", w.input_len, int),
+                  "--output-len": (r"\(default (\d+):(\d+)\)", w.output_len, int),
+                  "--shared-prefix": (number, (w.shared_prefix,), int), "--seed": (number, (w.seed,), int)},
+        "eval": {
+            "--engine": (r"\(default (\w+);", (c.engine,), text_), "--quant": quant,
+            "--kv-type": (word, (c.kv_type,), text_), "--device": (word, (c.device,), text_),
+            "--limit": (number, (DEFAULT_LIMIT,), int), "--seed": (number, (DEFAULT_SEED,), int),
+            "--kld-tokens": (number, (DEFAULT_KLD_TOKENS,), int),
+            "--confidence": (number, (DEFAULT_CONFIDENCE,), float),
+        },
+    }
+    for command, checks in expected.items():
+        helps = {a.option_strings[-1]: " ".join((a.help or "").split()) for a in command_parser(command)._actions
+                 if a.option_strings}
+        stating = {f for f, t in helps.items() if re.search(r"\b\d", "".join(t.split("(default")[1:]))}
+        assert stating <= set(checks), (command, sorted(stating - set(checks)))  # a figure no home vouches for
+        for flag, (pattern, values, read) in checks.items():
+            m = re.search(pattern, helps[flag])
+            assert m, (command, flag, helps[flag])
+            assert tuple(read(g) for g in m.groups()) == tuple(values), (command, flag, helps[flag])

@@ -20,6 +20,8 @@ _GOODPUT = re.compile(r"^(ttft|tpot|e2e):(\d+(?:\.\d+)?)$")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from tuner.measure.bench import BenchOptions
+
     p = sub.add_parser("bench", help="measure one serving configuration under load",
                        description="Serve a workload on a real model with one setting of the four knobs and report "
                                    "TTFT, TPOT, ITL, E2E (p50/p90/p95/p99/mean), throughput and memory.")
@@ -28,7 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("measurement")
     g.add_argument("--goodput", nargs="*", default=[], metavar="METRIC:MS",
                    help="per-request SLO for goodput, like vLLM: ttft:300 tpot:50 (milliseconds)")
-    g.add_argument("--timeout", type=float, default=1800.0, help="seconds before unfinished requests fail")
+    g.add_argument("--timeout", type=float, default=BenchOptions.timeout_s,
+                   help=f"seconds before unfinished requests fail (default {BenchOptions.timeout_s:g})")
     g.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: fixed output lengths)")
     g.add_argument("--no-bandwidth", action="store_true", help="skip the memory-bandwidth (roofline) measurement")
     g.add_argument("--stop-if", metavar="SLO", help="stop early (status pruned) if, half-way through, a bound is "
@@ -40,9 +43,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_capacity_args(p)
 
 
+def duration_text(seconds: float) -> str:
+    """A duration as its flag takes it: 15m, 90s (tuner.slo.parse_duration_s reads it back)."""
+    return f"{seconds / 60:g}m" if seconds >= 60 and seconds % 60 == 0 else f"{seconds:g}s"
+
+
 def add_capacity_args(p: argparse.ArgumentParser, with_switch: bool = True) -> None:
-    """SLO and capacity-search flags (shared by `tuner bench --capacity` and `tuner search`)."""
-    from tuner.slo import DEFAULT_ATTAINMENT, DEFAULT_LATENCY_METRIC
+    """SLO and capacity-search flags (shared by `tuner bench --capacity` and `tuner search`); every default shown is
+    read from its home (tuner.measure.capacity.CapacityOptions, tuner.slo)."""
+    from tuner.measure.capacity import CapacityOptions, probe_requests_for
+    from tuner.slo import DEFAULT_ATTAINMENT, DEFAULT_LATENCY_METRIC, SLO, build_slo
+
+    o = CapacityOptions
+    first, cap = o.probe_requests
+    p90 = probe_requests_for(build_slo("1s", "ttft:p90", None, None, SLO.confidence)[1], o.max_probes, None)
 
     g = p.add_argument_group("capacity: the highest rate served within the SLO (see tuner/measure/capacity.py)")
     if with_switch:
@@ -56,16 +70,18 @@ def add_capacity_args(p: argparse.ArgumentParser, with_switch: bool = True) -> N
                                      "'ttft<300ms;tpot<50ms' (with --attainment)")
     g.add_argument("--attainment", type=float, metavar="SHARE",
                    help=f"share of requests that must meet every per-request target (default {DEFAULT_ATTAINMENT})")
-    g.add_argument("--confidence", type=float, default=0.95, help="confidence of every verdict (default 0.95)")
+    g.add_argument("--confidence", type=float, default=SLO.confidence,
+                   help=f"confidence of every verdict (default {SLO.confidence:g})")
     g.add_argument("--probe-requests", metavar="A:B",
                    help="requests per rate probe: A first, pooled up to B while undecided (default: sized by the "
-                        "SLO's percentile, at least 30:120; p90: 57:120)")
-    g.add_argument("--max-probes", type=int, help="rate probes at most (default 5)")
+                        f"SLO's percentile, at least {first}:{cap}; p90: {p90[0]}:{p90[1]})")
+    g.add_argument("--max-probes", type=int, help=f"rate probes at most (default {o.max_probes})")
     g.add_argument("--capacity-timeout", metavar="DURATION",
-                   help="no new probe starts after this long (default 600s)")
+                   help=f"no new probe starts after this long (default {duration_text(o.max_wall_s)})")
     g.add_argument("--saturation-requests", type=int, metavar="N",
                    help="most requests the saturation probe sends; it stops once its steady window holds "
-                        "max(in-flight, 32) completions over 10 s (default 2 x (in-flight + that))")
+                        f"max(in-flight, {o.steady_count(1)}) completions over {o.steady_s:g} s (default 2 x "
+                        "(in-flight + that))")
 
 
 def recorded_slo(path: str | None) -> Any:
@@ -89,10 +105,10 @@ def recorded_slo(path: str | None) -> Any:
 def capacity_defaults() -> dict[str, Any]:
     """The capacity settings' defaults, read from their one home (tuner.measure.capacity); `probe_requests` None: sized
     by the SLO's percentile (tuner.measure.capacity.probe_requests_for)."""
-    from tuner.measure.capacity import DEFAULT_TIMEOUT_S, CapacityOptions
+    from tuner.measure.capacity import CapacityOptions
 
-    return {"probe_requests": None, "max_probes": CapacityOptions.max_probes, "timeout": f"{DEFAULT_TIMEOUT_S:g}s",
-            "saturation_requests": None}
+    return {"probe_requests": None, "max_probes": CapacityOptions.max_probes,
+            "timeout": duration_text(CapacityOptions.max_wall_s), "saturation_requests": None}
 
 
 def capacity_settings(args: argparse.Namespace, base: dict[str, Any] | None = None,

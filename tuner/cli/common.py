@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -15,20 +16,22 @@ from tuner.measure.workload import WorkloadSpec, parse_range
 
 
 def add_config_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+    c = TrialConfig  # every knob's default: its one home
     g = p.add_argument_group("configuration (the four knobs)")
     g.add_argument("--model", required=model_required, help="alias (see `tuner models`), checkpoint dir or .gguf")
-    g.add_argument("--engine", help=f"serving engine: {' | '.join(ENGINE_NAMES)} (default transformers)")
-    g.add_argument("--quant", metavar="FORMAT", help=f"transformers: {', '.join(FORMATS)} (default bf16); llamacpp: "
-                                                     f"{', '.join(GGUF_TYPES)} (default F16)")
-    g.add_argument("--kv-type", help=f"KV-cache type, llamacpp: {', '.join(KV_TYPES['llamacpp'])} (default auto)")
-    g.add_argument("--batch-cap", type=int, help="max concurrently running sequences (default 1)")
+    g.add_argument("--engine", help=f"serving engine: {' | '.join(ENGINE_NAMES)} (default {c.engine})")
+    g.add_argument("--quant", metavar="FORMAT", help=f"transformers: {', '.join(FORMATS)} (default "
+                                                     f"{ENGINES['transformers'].default_quant}); llamacpp: "
+                                                     f"{', '.join(GGUF_TYPES)} (default {ENGINES['llamacpp'].default_quant})")
+    g.add_argument("--kv-type", help=f"KV-cache type, llamacpp: {', '.join(KV_TYPES['llamacpp'])} (default {c.kv_type})")
+    g.add_argument("--batch-cap", type=int, help=f"max concurrently running sequences (default {c.batch_cap})")
     g.add_argument("--kv-fraction", type=float,
-                   help="fraction of free memory the KV cache may take, in (0, 1] (default 0.05)")
-    g.add_argument("--draft", help="none | ngram:K | draft:<model>:K | early-exit:L (default none)")
+                   help=f"fraction of free memory the KV cache may take, in (0, 1] (default {c.kv_fraction:g})")
+    g.add_argument("--draft", help=f"none | ngram:K | draft:<model>:K | early-exit:L (default {c.draft})")
     for name, (engine, default, accepted, what) in ENGINE_KNOBS.items():
         g.add_argument("--" + name.replace("_", "-"), type=str if isinstance(default, str) else int,
                        help=f"{engine}: {what}; {accepted}")
-    g.add_argument("--device", help="auto | cpu | cuda (default auto)")
+    g.add_argument("--device", help=f"auto | cpu | cuda (default {c.device})")
     g.add_argument("--endpoint", metavar="URL", help="measure a running OpenAI-compatible server at URL instead of "
                                                      "launching one (engine endpoint; the API key comes from "
                                                      "$TUNER_API_KEY; --model names its tokenizer)")
@@ -37,9 +40,10 @@ def add_config_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     g.add_argument("--config", metavar="FILE", help="take the configuration from a JSON file (bench or export JSON)")
 
 
-WORKLOAD_DEFAULTS: dict[str, Any] = {"requests": 32, "rate": 4.0, "arrival": "poisson", "concurrency": None,
-                                     "input_len": "64:256", "output_len": "32:64", "shared_prefix": 0, "trace": None,
-                                     "seed": 0}
+WORKLOAD_DEFAULTS: dict[str, Any] = {  # the workload flags' defaults: WorkloadSpec's, their one home
+    f.name: f.default for f in dataclasses.fields(WorkloadSpec)
+    if f.name in ("requests", "rate", "arrival", "concurrency", "input_len", "output_len", "shared_prefix", "trace",
+                  "seed")}
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -47,13 +51,14 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (with --config FILE, a workload recorded in FILE is the default)")
     g.add_argument("--requests", type=int, help=f"number of requests (default {d['requests']})")
     g.add_argument("--rate", type=float, help=f"open-loop arrival rate, req/s (default {d['rate']:g})")
-    g.add_argument("--arrival", help="poisson | constant (default poisson)")
+    g.add_argument("--arrival", help=f"poisson | constant (default {d['arrival']})")
     g.add_argument("--concurrency", type=int, help="closed loop: keep C requests in flight (overrides --rate)")
-    g.add_argument("--input-len", help=f"prompt tokens A:B, uniform (default {d['input_len']})")
-    g.add_argument("--output-len", help=f"output tokens A:B, uniform (default {d['output_len']})")
-    g.add_argument("--shared-prefix", type=int, help="tokens of system prompt shared by all requests (default 0)")
+    g.add_argument("--input-len", help="prompt tokens A:B, uniform (default {}:{})".format(*d["input_len"]))
+    g.add_argument("--output-len", help="output tokens A:B, uniform (default {}:{})".format(*d["output_len"]))
+    g.add_argument("--shared-prefix", type=int,
+                   help=f"tokens of system prompt shared by all requests (default {d['shared_prefix']})")
     g.add_argument("--trace", metavar="FILE", help="replay a JSONL trace (prompt, max_tokens, arrival_s)")
-    g.add_argument("--seed", type=int, help="workload seed (default 0)")
+    g.add_argument("--seed", type=int, help=f"workload seed (default {d['seed']})")
 
 
 def recorded_workload(path: str | None) -> dict[str, Any]:

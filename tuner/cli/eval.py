@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from tuner.config import DEVICES, ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES
+from tuner.config import DEVICES, ENGINE_NAMES, FORMATS, GGUF_TYPES, KV_TYPES, TrialConfig
 from tuner.engines.registry import backend, names
 
 
@@ -26,23 +26,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "and KL divergence against the fp32 model of the same weights, and a gate on a "
                                    "quality budget. Results are cached.")
     p.add_argument("--model", required=True, help="alias (see `tuner models`), checkpoint directory or .gguf file")
-    p.add_argument("--engine", default="transformers", metavar="ENGINE",
-                   help=f"engine whose served model is scored: {' | '.join(ENGINE_NAMES)} (default transformers; "
+    engine = TrialConfig.engine
+    p.add_argument("--engine", default=engine, metavar="ENGINE",
+                   help=f"engine whose served model is scored: {' | '.join(ENGINE_NAMES)} (default {engine}; "
                         "llamacpp: the exact GGUF and KV type, by llama-perplexity)")
     p.add_argument("--quant", default=None, metavar="FORMAT",
-                   help=f"transformers: {', '.join(FORMATS)} (default bf16); llamacpp: {', '.join(GGUF_TYPES)} "
-                        "(default F16)")
-    p.add_argument("--kv-type", default="auto", help=f"KV-cache type, llamacpp: {', '.join(KV_TYPES['llamacpp'])}")
+                   help=f"transformers: {', '.join(FORMATS)} (default {backend('transformers').default_quant}); "
+                        f"llamacpp: {', '.join(GGUF_TYPES)} (default {backend('llamacpp').default_quant})")
+    p.add_argument("--kv-type", default=TrialConfig.kv_type,
+                   help=f"KV-cache type, llamacpp: {', '.join(KV_TYPES['llamacpp'])} (default {TrialConfig.kv_type})")
     p.add_argument("--endpoint", metavar="URL", default=None,
                    help="score a running OpenAI-compatible server at URL through its /v1/completions (engine endpoint;"
                         " API key from $TUNER_API_KEY) against the fp32 model named by --model")
-    p.add_argument("--served-model", metavar="NAME", default="",
+    p.add_argument("--served-model", metavar="NAME", default=TrialConfig.served_model,
                    help="endpoint: the model name to request (default: the first of its /v1/models)")
     p.add_argument("--tasks", default=None,
                    help=f"comma-separated tasks from evals/ (default: {','.join(DEFAULT_SUITE)})")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help=f"items per task (default {DEFAULT_LIMIT})")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"lm-eval random seed (default {DEFAULT_SEED})")
-    p.add_argument("--device", default="auto", choices=DEVICES, help="where to run the model (default auto)")
+    p.add_argument("--device", default=TrialConfig.device, choices=DEVICES,
+                   help=f"where to run the model (default {TrialConfig.device})")
     p.add_argument("--kld-tokens", type=int, default=DEFAULT_KLD_TOKENS,
                    help=f"held-text tokens scored for KL divergence (default {DEFAULT_KLD_TOKENS})")
     g = p.add_argument_group("quality gate")

