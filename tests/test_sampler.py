@@ -188,3 +188,37 @@ def test_an_interrupted_trial_leaves_its_configuration_to_be_measured(tmp_path):
         outcomes[reason.split(":")[0]] = picks
     assert outcomes["interrupted"][0] == "bf16"
     assert outcomes["out of memory (trial memory limit 4.0 GB)"][0] == "fp32"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tpe_takes_the_candidate_the_acquisition_hook_leaves(seed):
+    """The contract with Optuna's internals (tuner.search.optuna_private.with_acquisition_hooks): TPE's own sampling
+    of a relative group runs inside `sample_group`, and the candidate it returns is the one with the best acquisition
+    after `mask_acquisition`. Here the mask leaves only the candidate with the smallest x (every other one -inf): each
+    trial after the start-up takes exactly that value -- which fails if Optuna stops calling either private step
+    (a renamed `_sample` or `_compute_acquisition_func` would leave TPE's own choice)."""
+    import numpy as np
+
+    from tuner.search.optuna_private import with_acquisition_hooks
+
+    groups, kept = [], []
+
+    class Masked(with_acquisition_hooks(optuna.samplers.TPESampler)):
+        def sample_group(self, study, trial, search_space, sample):
+            groups.append(trial.number)
+            return sample()
+
+        def mask_acquisition(self, samples, values):
+            x = np.asarray(samples["x"])
+            keep = int(np.argmin(x))
+            values[np.arange(len(values)) != keep] = -np.inf
+            kept.append(float(x[keep]))
+            return values
+
+    sampler = Masked(seed=seed, n_startup_trials=2, multivariate=True, n_ei_candidates=24)
+    study = optuna.create_study(sampler=sampler)
+    study.optimize(lambda t: (t.suggest_float("x", 0.0, 10.0) - 7.0) ** 2 + t.suggest_float("y", 0.0, 1.0), n_trials=8)
+    after_startup = study.trials[2:]
+    assert groups == [t.number for t in after_startup]  # one relative group per trial past the start-up
+    assert len(kept) == len(after_startup)
+    assert [t.params["x"] for t in after_startup] == pytest.approx(kept)

@@ -153,8 +153,11 @@ def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, c
                                           + ", ".join(f"{n} ({c})" for n, c in stop.items()))
         gain = gain_over(best, base)
         rec.update(gain)
-        if cost_per_hour and best.tok_s:
-            rec["cost_per_million_tokens"] = cost_per_hour / (best.tok_s * 3600.0) * 1e6
+        from tuner.search.objective import cost_per_million
+
+        cost = cost_per_million(best.tok_s, cost_per_hour)
+        if cost is not None:
+            rec["cost_per_million_tokens"] = cost
         if target_rate:
             lo = best.rps
             rec["target_rate_rps"] = target_rate

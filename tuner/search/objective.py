@@ -18,7 +18,6 @@ SLO terms as unknown = 0), so TPE ranks it by its quality violation.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,7 +288,3 @@ def objective(trial: Any, ctx: SearchContext) -> tuple[float, float]:
     capacity = metrics.pop("capacity")
     trial.set_user_attr("metrics", metrics)  # at the capacity point (or at saturation)
     return apply_capacity(trial, ctx, capacity, q)
-
-
-def pid_tag() -> str:
-    return f"{os.uname().nodename}:{os.getpid()}"
