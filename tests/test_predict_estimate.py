@@ -118,3 +118,25 @@ def test_a_measured_capacity_outside_the_band_is_recorded_and_later_bands_carry_
     with pytest.raises(Exception, match="the bench measured quant='Q4_0'"):
         calibration.compare(dict(before, config=dict(config), workload={}),
                             dict(bench, config=dict(config, quant="Q4_0")))
+
+
+def test_an_output_longer_than_profiled_is_extrapolated_in_the_json_and_the_text(profiled: dict[str, Any]) -> None:
+    """Outputs of 150-200 tokens on prompts of up to 200: contexts past the 352 per sequence the profile measured.
+    `tuner predict`'s JSON lists it under capacity.extrapolated and its text says EXTRAPOLATED; inside, neither."""
+    from tuner.cli.predict import format_prediction
+
+    options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
+    rng = random.Random(1)
+    long_out = [Request(i, "", tuple(range(rng.randint(64, 200))), rng.randint(150, 200), None)
+                for i in range(options.pool_size(4, 2))]
+    config = {"model": "m", "engine": "llamacpp", "quant": "Q8_0", "batch_cap": 4}
+    texts = []
+    for pool in (long_out, workload(options, 4)):
+        got = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=1)
+        texts.append((got, format_prediction(dict(got, config=config, predict_s=0.1, predict_cpu_s=0.1))))
+    (beyond, text), (inside, plain) = texts
+    said = beyond["capacity"]["extrapolated"]
+    assert said and "context per sequence (prompt + output tokens; outputs up to 200)" in said[0]
+    assert "the profile measured up to 352" in said[0]
+    assert "EXTRAPOLATED past the profile" in text and said[0] in text
+    assert inside["capacity"]["extrapolated"] == [] and "EXTRAPOLATED" not in plain

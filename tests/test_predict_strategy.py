@@ -242,6 +242,7 @@ def test_a_short_timeout_profiles_the_baseline_format_only_and_says_what_was_lef
     caps = {p.config["batch_cap"]: p for p in strategy.predictions}
     assert caps[4].rps > caps[1].rps > 0  # a continuous-batching engine serves more at a higher cap
     assert all(p.band[0] <= p.rps <= p.band[1] for p in strategy.predictions)
+    assert not any(p.extrapolated for p in strategy.predictions)  # the workload lies within the profile's ranges
     assert report["prediction_cost"]["simulations"] == 3 and report["prediction_cost"]["s_per_configuration"] > 0
 
 

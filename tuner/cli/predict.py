@@ -186,6 +186,8 @@ def format_prediction(r: dict[str, Any]) -> str:
              f"({cal['replicates']} resampled fits, engine speed ±{cal['speed_drift']:.0%}"
              f"{history_text(cal.get('history'))}), verdict {cap['verdict'].upper()} for SLO "
              f"{'; '.join(slo['bounds'])} at {slo['confidence']:.0%}",
+             *([f"EXTRAPOLATED past the profile ({'; '.join(cap['extrapolated'])}): the band is widened, the "
+                "figures are less certain than the profile's fit says"] if cap.get("extrapolated") else []),
              f"predicted saturation: {cap['saturation_rps']:.3f} req/s",
              f"  {'rate req/s':>11}{'ttft p50':>10}{'ttft p90':>10}{'ttft p99':>10}{'tpot p50':>10}{'e2e p90':>10}"
              "   (predicted, ms)"]

@@ -445,6 +445,7 @@ def predict_lines(a: dict[str, Any]) -> list[str]:
                 f"predicted {pr:.3g} req/s" + (f" [{band[0]:.3g}, {band[1]:.3g}]" if band[0] is not None else ""))
         lines.append(f"  trial {m['trial']} {_cfg(m['config'] or {})}: {what}; measured {m['requests_per_s']:.3g} "
                      f"req/s ({m.get('verdict')}); error {_pct(m.get('signed_error'))}")
+    lines += [f"  note: {n}" for n in a.get("notes") or []]  # off its band, extrapolated, tail verified, closest
     if a.get("stopped"):
         lines.append(f"  stopped: {a['stopped']}")
     return lines

@@ -19,7 +19,9 @@ one engine that is already started:
    scaled to the rate (common random numbers for the arrivals). Each probe gets a verdict against the SLO at the given
    confidence (tuner.stats): `meets` raises the lower end, `misses` lowers the upper end; `indeterminate` gets
    more requests at the same rate (pooled, up to the per-probe cap) and, still undecided, is treated as not
-   shown to meet (it lowers the upper end; the answer says so). Below the first meeting rate the search halves
+   shown to meet (it lowers the upper end; the answer says so). The first rate is 75% of that bound, or
+   `start_rps` when given below it (a predicted capacity: `tuner search --strategy predict` verifies a tail SLO
+   there with one long probe, then one above or below it). Below the first meeting rate the search halves
    the rate; between a meeting and a missing rate it bisects, until the bracket is within `tolerance` of its
    upper end or the budget (probes, requests, seconds) is spent.
 5. **Steady state**: the first `ramp_fraction` of each probe's requests (at least 1) see an emptier engine than
@@ -95,6 +97,8 @@ class CapacityOptions:
     seed: int = 0
     saturation_requests: int | None = None  # most the saturation probe sends; default 2 x (in-flight + steady_count)
     steady_s: float = 10.0  # the saturation probe's steady window lasts this long at least
+    start_rps: float | None = None  # the first rate probed (a predicted capacity: tuner search --strategy predict);
+    # None, or at or above the saturation rate: FIRST_PROBE x the saturation rate
 
     def __post_init__(self) -> None:
         from tuner.errors import TunerError
@@ -106,6 +110,8 @@ class CapacityOptions:
             raise TunerError(f"--max-probes {self.max_probes} is invalid: expected an integer >= 1")
         if not 0 < self.tolerance < 1:
             raise TunerError(f"capacity tolerance {self.tolerance} is invalid: expected a number in (0, 1)")
+        if self.start_rps is not None and not self.start_rps > 0:
+            raise TunerError(f"capacity start rate {self.start_rps} is invalid: expected a rate > 0 req/s (or none)")
 
     @staticmethod
     def warmup_count(batch_cap: int) -> int:
@@ -617,7 +623,7 @@ class CapacitySearch:
         high = sat["requests_per_s"]  # an open-loop rate above the service rate is not sustainable
         low = 0.0
         low_probe: dict[str, Any] | None = None
-        rate = FIRST_PROBE * high
+        rate = o.start_rps if o.start_rps and o.start_rps < high else FIRST_PROBE * high
         floor = high / 64.0
         unreached: list[float] = []  # rates too close to saturation for a probe to reach their steady state
         while len(self.probes) < o.max_probes:
@@ -700,6 +706,7 @@ class CapacitySearch:
             "min_requests_to_meet": need,
             "method": {"probe_requests": list(o.probe_requests), "max_probes": o.max_probes,
                        "tolerance": o.tolerance, "ramp_fraction": o.ramp_fraction, "arrival": o.arrival,
+                       "start_rps": o.start_rps,
                        "confidence": o.slo.confidence, "looks": o.max_probes * LOOKS_PER_PROBE,
                        "look_confidence": look,
                        "interval": "each end one-sided at half the alpha, spent over every probe and look "

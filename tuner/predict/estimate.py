@@ -106,9 +106,11 @@ def extrapolation(profile: dict[str, Any], batch_cap: int, pool: Sequence[Reques
                "prompt tokens": longest_prompt / r["max_prompt_tokens"]}
     limits = {"sequences": r["max_seqs"], "context per sequence": r["max_context_per_seq"],
               "prompt tokens": r["max_prompt_tokens"]}
+    longest_output = max((q.max_tokens for q in pool), default=0)
     values = {"sequences": batch_cap, "context per sequence": longest, "prompt tokens": longest_prompt}
-    notes = [f"extrapolated: {values[k]} {k}, the profile measured up to {limits[k]}" for k, f in factors.items()
-             if f > 1]
+    what = {"context per sequence": f" (prompt + output tokens; outputs up to {longest_output})"}
+    notes = [f"extrapolated: {values[k]} {k}{what.get(k, '')}, the profile measured up to {limits[k]}"
+             for k, f in factors.items() if f > 1]
     if notes:
         notes.append(f"the band is widened by {max(factors.values()) - 1:.0%} of the predicted rate each way")
     return max([1.0, *factors.values()]), notes
@@ -160,6 +162,7 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
     return {
         "predicted": True,
         "capacity": {"requests_per_s": rate, "band": [lo, hi], "requests_per_s_ci": point["requests_per_s_ci"],
+                     "extrapolated": [n for n in notes if n.startswith("extrapolated")],
                      "verdict": point["verdict"], "saturation_rps": sat,
                      "replicates": [r["requests_per_s"] for r in reps[:replicates]],
                      "speed": [r["requests_per_s"] for r in reps[replicates:]]},

@@ -17,10 +17,15 @@
    best feasible measured capacity (`chance_to_beat`: lognormal around the calibrated prediction, its spread the
    prediction's own band combined with the calibration's scatter). The search stops when no unmeasured
    configuration has a chance of at least `STOP_CHANCE` (its calibrated band's top, 2 spreads up, is below the
-   best), or the trials / timeout run out. A format the quality gate prunes takes its configurations out.
+   best), or the trials / timeout run out. A format the quality gate prunes takes its configurations out. With a
+   tail SLO (p99) each measurement is a verification at the calibrated prediction: one long probe there, sized
+   for the percentile, and one above it (tuner.predict.verify), instead of a blind bracket.
 3. The answer is the best **measured** configuration (tuner.search.answer); `report` adds what was predicted and measured,
    each measured configuration's predicted capacity beside its measured one with the signed error
-   (predicted - measured) / measured, and the model's error over this search.
+   (predicted - measured) / measured, and the model's error over this search; its notes say where a measured
+   capacity fell outside its band (and the profile's calibration history keeps it, widening later bands), which
+   predictions were extrapolated past their profile, what each tail verification measured at which n, and the
+   closest configuration when none was shown to meet the SLO.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ PRIOR_SIGMA = 0.3  # log-spread of measured / predicted before any measurement (
 PRIOR_WEIGHT = 2.0  # pseudo-measurements the prior spread counts as
 SPREADS = 2.0  # a calibrated band is +-2 spreads (about 95%)
 STOP_CHANCE = 0.5 * math.erfc(SPREADS / math.sqrt(2))  # = P(z > 2): below it, the band's top is under the best
+PREDICTIONS = "predictions"  # study attribute: every configuration predicted (tuner.dashboard.predicted reads it)
 
 
 @dataclass
@@ -56,6 +62,7 @@ class Prediction:
     band: tuple[float, float] | None = None
     profile: str | None = None
     notes: list[str] = field(default_factory=list)
+    extrapolated: list[str] = field(default_factory=list)  # past what its profile measured: said, band widened
 
 
 # ------------------------------------------------------------------------------- the choosing rule --- #
@@ -182,6 +189,8 @@ class PredictStrategy:
         self.stopped: str | None = None
         self.by_id: dict[str, dict[str, Any]] = {}  # profile id -> profile
         self.pools: dict[int, list[Any]] = {}  # batch cap -> capacity pool
+        self.slo: Any = None  # the study's SLO (prepare): a tail term is verified at the predicted capacity
+        self.timeouts_s = (0.0, 0.0)  # the study's --capacity-timeout and --trial-timeout (prepare)
 
     # ---------------------------------------------------------------------------------- predict --- #
     def options(self, ctx: Any) -> Any:
@@ -199,6 +208,7 @@ class PredictStrategy:
         from tuner.search.space import config_key, suggest_config
 
         space = ctx.space
+        self.slo, self.timeouts_s = ctx.slo, (ctx.capacity_timeout_s, ctx.trial_timeout_s)
         groups: dict[tuple[Any, ...], list[Prediction]] = {}
         grid = enumerate_space(space)
         self.n_configurations = len(grid)
@@ -244,6 +254,8 @@ class PredictStrategy:
                 spent_s, measured, longest_s = spent_s + took, measured + 1, max(longest_s if measured else 0, took)
             self.profiles[describe_format(fmt)] = {"id": profile["id"], "cached": cached is not None,
                                                    "batch_cap": profile["batch_cap"], "profile_s": took}
+            if cached is None:  # why it was measured (another host or build's profile not reused, ...)
+                self.notes += [f"profile of {describe_format(fmt)}: {n}" for n in profile.get("notes") or []]
             self.predict_group(members, profile, options)
         self.band_all(options)
         self.timing["profile_s"] = spent_s
@@ -313,11 +325,14 @@ class PredictStrategy:
         return self.pools[config.batch_cap]
 
     def band_all(self, options: Any) -> None:
-        """The band of every simulation (estimate.predict with BAND_REPLICATES resampled fits)."""
+        """The band of every simulation (estimate.predict with BAND_REPLICATES resampled fits, widened past the
+        profile's measured ranges and by the profile's calibration history), and what it says of both."""
         from tuner.config import TrialConfig
+        from tuner.predict.calibration import read_history
         from tuner.predict.estimate import predict
 
-        done: dict[tuple[str | None, int], tuple[float, float] | None] = {}
+        done: dict[tuple[str | None, int], tuple[tuple[float, float] | None, list[str]]] = {}
+        histories = {pid: read_history(pid) for pid in {p.profile for p in self.predictions} if pid}
         spent = 0.0
         for p in self.predictions:
             k = (p.profile, p.config["batch_cap"])
@@ -326,11 +341,18 @@ class PredictStrategy:
                 requests = self.pool(config, options)
                 t = time.perf_counter()
                 got = predict(self.by_id[p.profile], config, requests, options, replicates=BAND_REPLICATES,
-                              seed=self.seed)
+                              seed=self.seed, history=histories.get(p.profile) or ())
                 spent += time.perf_counter() - t
                 lo, hi = got["capacity"]["band"]
-                done[k] = (lo, hi) if lo is not None and hi is not None else None
-            p.band = done[k]
+                extra = [n for n in got["notes"] if n.startswith(("extrapolated", "the band is widened"))]
+                done[k] = ((lo, hi) if lo is not None and hi is not None else None), extra
+                said = [n for n in got["notes"] if "fell outside their band" in n]
+                self.notes += [f"profile {p.profile}: {n}" for n in said if f"profile {p.profile}: {n}" not in self.notes]
+            p.band, p.extrapolated = done[k]
+        n_extra = sum(bool(p.extrapolated) for p in self.predictions)
+        if n_extra:
+            self.notes.append(f"{n_extra} configuration(s) predicted past what their profile measured "
+                              "(extrapolated: their band is widened; each says how far)")
         self.timing["band_s"] = spent
         self.timing["simulations"] = len(done)
 
@@ -367,6 +389,7 @@ class PredictStrategy:
         from tuner.search.objective import quality_key
         from tuner.search.space import config_key
 
+        self.store_predictions(study)
         trials = study.get_trials(deepcopy=False)
         if any(t.state.name == "WAITING" for t in trials):
             return True
@@ -390,36 +413,71 @@ class PredictStrategy:
         study.enqueue_trial(dict(p.params), user_attrs=self.attrs(p, ratio, sigma, best, chance))
         return True
 
+    def store_predictions(self, study: Any) -> None:
+        """Every prediction of this run into the study (attribute PREDICTIONS, once per run), so the dashboard draws
+        the predicted configurations apart from the measured ones and re-ranks them under another SLO or workload."""
+        if getattr(self, "_stored", False):
+            return
+        study.set_user_attr(PREDICTIONS, {
+            **{k: v for k, v in self.report_prediction().items() if k != "top_predicted"},
+            "configurations": [{"config": p.config, "predicted_requests_per_s": p.rps,
+                                "predicted_band": list(p.band) if p.band else None, "profile": p.profile,
+                                "extrapolated": list(p.extrapolated)}
+                               for p in self.predictions if p.rps is not None]})
+        self._stored = True
+
     def attrs(self, p: Prediction | None, ratio: float, sigma: float, best: float, chance: float | None
               ) -> dict[str, Any]:
+        from tuner.predict.verify import verification_plan
+
         if p is None or p.rps is None:
             return {"strategy": "predict", "predicted_requests_per_s": None}
+        plan, note = (verification_plan(self.slo, p.rps * ratio, *self.timeouts_s) if self.slo is not None
+                      else (None, None))
         return {"strategy": "predict", "predicted_requests_per_s": p.rps,
                 "predicted_band": list(p.band) if p.band else None, "predicted_profile": p.profile,
+                "predicted_extrapolated": list(p.extrapolated), **({"capacity_plan": plan} if plan else {}),
+                **({"capacity_plan_note": note} if note else {}),
                 "predicted_calibrated_requests_per_s": p.rps * ratio,
                 "predicted_calibrated_band": calibrated_band(p, ratio, sigma),
                 "predicted_chance_to_beat": chance, "best_measured_before_rps": best}
 
     # ----------------------------------------------------------------------------------- answer --- #
     def report(self, study: Any) -> dict[str, Any]:
-        """What recommendation.json adds: every figure labelled predicted or measured."""
-        measured = []
+        """What recommendation.json adds: every figure labelled predicted or measured; `notes` says what the
+        model got wrong (a measured capacity outside its band), how each tail SLO was verified and at which n, and
+        the closest configuration when none was shown to meet the SLO."""
+        from tuner.predict.verify import closest_text, off_band_text, verification, verified_text
+
+        measured, said, runs = [], [], []
         for t in study.get_trials(deepcopy=False):
             ua = t.user_attrs
             if t.state.name != "COMPLETE" or not isinstance(ua.get("capacity"), dict):
                 continue
             m = float(ua["capacity"].get("requests_per_s") or 0.0)
             pr = ua.get("predicted_requests_per_s")
+            band = ua.get("predicted_band")
+            v = verification(ua["capacity"], ua.get("capacity_plan"))
+            runs.append((t.number, ua.get("config") or {}, ua["capacity"]))
             measured.append({"trial": t.number, "config": ua.get("config"), "predicted_requests_per_s": pr,
-                             "predicted_band": ua.get("predicted_band"),
+                             "predicted_band": band, "predicted_extrapolated": ua.get("predicted_extrapolated") or [],
+                             "within_band": (None if pr is None or not band or band[0] is None
+                                             else band[0] <= m <= band[1]), "verification": v,
                              "predicted_calibrated_requests_per_s": ua.get("predicted_calibrated_requests_per_s"),
                              "predicted_chance_to_beat": ua.get("predicted_chance_to_beat"),
                              "requests_per_s": m, "requests_per_s_ci": ua["capacity"].get("requests_per_s_ci"),
                              "verdict": ua["capacity"].get("verdict"),
                              "signed_error": (pr - m) / m if pr is not None and m > 0 else None})
+            said += [s for s in (off_band_text(measured[-1]),) if s]
+            if v is not None and self.slo is not None:
+                said.append(verified_text(t.number, self.slo, v)
+                            + (f"; {ua['capacity_plan_note']}" if ua.get("capacity_plan_note") else ""))
         errors = [abs(e["signed_error"]) for e in measured if e["signed_error"] is not None]
         self.record_calibration(study)
-        return {**self.report_prediction(), "n_measured": len(measured), "measured": measured,
+        closest = closest_text(self.slo, runs) if self.slo is not None else None
+        prediction = self.report_prediction()
+        return {**prediction, "notes": prediction["notes"] + said + ([closest] if closest else []),
+                "n_measured": len(measured), "measured": measured,
                 "model_error": {"n": len(errors), "median_abs": statistics.median(errors) if errors else None,
                                 "worst_abs": max(errors) if errors else None,
                                 "definition": "(predicted - measured) / measured, raw model (not calibrated)"},
@@ -461,6 +519,7 @@ class PredictStrategy:
                                     "s_per_configuration": ((sum(points) + (self.timing.get("band_s") or 0.0))
                                                             / max(1, len(self.predictions)))},
                 "top_predicted": [{"config": p.config, "predicted_requests_per_s": p.rps,
-                                   "predicted_band": list(p.band) if p.band else None}
+                                   "predicted_band": list(p.band) if p.band else None,
+                                   "predicted_extrapolated": list(p.extrapolated)}
                                   for p in sorted(self.predictions, key=lambda p: -(p.rps or 0))[:10]]}
 

@@ -18,7 +18,7 @@ SLO terms as unknown = 0), so TPE ranks it by its quality violation.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,26 +95,31 @@ class SearchContext:
                 **({"endpoint": [f"{s.endpoint} {s.served_model}".strip() for s in endpoints]} if endpoints else {})}
 
 
-def bench_job(config: TrialConfig, ctx: SearchContext, out: Path, server_log: Path) -> BenchJob:
+def bench_job(config: TrialConfig, ctx: SearchContext, out: Path, server_log: Path,
+              plan: dict[str, Any] | None = None) -> BenchJob:
     """`tuner bench --capacity` of one trial: the study's prompts (the capacity search chooses the arrival rates:
     the workload's own rate is left at its default), its SLO and its capacity settings, without the bandwidth
-    measurement."""
+    measurement. `plan`: capacity settings the trial's chooser set for it (`--strategy predict`'s verification of a
+    tail SLO at the predicted capacity, tuner.predict.verify.verification_plan), over the study's."""
     w = ctx.workload
     workload = WorkloadSpec(requests=w.requests, arrival=w.arrival, input_len=w.input_len, output_len=w.output_len,
                             shared_prefix=w.shared_prefix, seed=w.seed, trace=w.trace)
     capacity = CapacityOptions(slo=ctx.slo, probe_requests=ctx.probe_requests, max_probes=ctx.max_probes,
                                max_wall_s=ctx.capacity_timeout_s, saturation_requests=ctx.saturation_requests,
                                arrival=w.arrival, seed=w.seed)
+    if plan:
+        capacity = replace(capacity, **{k: tuple(v) if isinstance(v, list) else v for k, v in plan.items()})
     return BenchJob(config=config, workload=workload, out_path=str(out), capacity=capacity,
                     server_log=str(server_log), measure_bandwidth=False)
 
 
-def measure(config: TrialConfig, ctx: SearchContext, trial_dir: Path) -> dict[str, Any]:
+def measure(config: TrialConfig, ctx: SearchContext, trial_dir: Path, plan: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
     """Measure `config`'s capacity in a child process. Returns the bench JSON, or {'status': 'failed', ...}."""
     out = trial_dir / "bench.json"
     out.unlink(missing_ok=True)
     job = trial_dir / "bench_job.json"
-    write_job(job, bench_job(config, ctx, out, trial_dir / "server.log"))  # a server engine's output, kept with it
+    write_job(job, bench_job(config, ctx, out, trial_dir / "server.log", plan))  # a server engine's output, kept with it
     res = run_child(job, trial_dir / "bench.log", ctx.trial_timeout_s)
     if out.is_file():
         data = json.loads(out.read_text())
@@ -276,7 +281,7 @@ def objective(trial: Any, ctx: SearchContext) -> tuple[float, float]:
             trial.set_user_attr("reason", f"quality scoring failed: {q['error']}")
             raise TrialFailed(q["error"])
         apply_quality(trial, ctx, config, q)
-    bench = measure(config, ctx, trial_dir)
+    bench = measure(config, ctx, trial_dir, trial.user_attrs.get("capacity_plan"))
     for key in ("engine", "environment", "workload", "load_s", "child_wall_s", "warmup"):
         if key in bench:
             trial.set_user_attr(key, bench[key])
