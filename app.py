@@ -18,11 +18,23 @@ from typing import Any
 
 import streamlit as st
 
-from tuner.dashboard import curves
+from tuner.dashboard import curves, whatif
 from tuner.dashboard.data import display_url, open_storage_readonly, sqlite_path, storage_from_argv
 from tuner.dashboard.exports import config_json, exports
 from tuner.dashboard.fields import axis_fields, default_axes, direction, field_label
 from tuner.dashboard.figures import chart_points, pareto_line, quality_range, target_lines
+from tuner.dashboard.predicted import (
+    MEASURED_NOTE,
+    PREDICTED_NOTE,
+    add_predicted_trace,
+    axes_for_predictions,
+    has_predictions,
+    predicted_points,
+    prediction_record,
+    prediction_rows,
+    prediction_summary,
+    scatter_figure,
+)
 from tuner.dashboard.study import (
     StudyInfo,
     TrialView,
@@ -35,6 +47,7 @@ from tuner.dashboard.study import (
 )
 from tuner.dashboard.views import config_text, detail, ecdf, filter_rows, first_line, latency_samples, table_rows
 from tuner.dashboard.why import constraint_table, latency_at, param_importances, recommended_number, study_answer, why
+from tuner.errors import TunerError
 
 st.set_page_config(page_title="tuner dashboard", layout="wide")  # no page_icon: a material one is fetched online
 
@@ -207,7 +220,8 @@ def pareto_tab(views: list[TrialView], info: StudyInfo, rec: int | None) -> None
     if not fields:
         st.info("No trial has metrics yet.")
         return
-    default_x, default_y = default_axes(fields, info, has_capacity(views))
+    record = prediction_record(info.attrs)
+    default_x, default_y = axes_for_predictions(fields, *default_axes(fields, info, has_capacity(views)), record)
     for key in (f"x_axis_{info.name}", f"y_axis_{info.name}"):  # a field this study no longer offers
         if key in st.session_state and st.session_state[key] not in fields:
             del st.session_state[key]
@@ -219,6 +233,9 @@ def pareto_tab(views: list[TrialView], info: StudyInfo, rec: int | None) -> None
     points = chart_points(views, x, y, info, rec)
     front = pareto_line(points, direction(x), direction(y))
     fig = curves.pareto_figure(points, front, target_lines(info, x, y), field_label(x), field_label(y))
+    predicted = predicted_points(record, views, x, y)
+    add_predicted_trace(fig, predicted)
+    say_source(fig, "measured trials" + (" and predicted configurations (open diamonds, not measured)" if predicted else ""))
     st.plotly_chart(fig, key="pareto_chart", on_select=pick_from_chart, selection_mode="points",
                     config={"displaylogo": False})
     n_front = len(front)
@@ -229,6 +246,18 @@ def pareto_tab(views: list[TrialView], info: StudyInfo, rec: int | None) -> None
                + (f"{n_front} trial(s) on the feasible front of these two axes" if front else
                   "no front for these axes" if direction(x) is None or direction(y) is None else
                   "no feasible trial yet"))
+    if record:
+        n = len(record["configurations"])
+        st.caption(f"{len(predicted)} of {n} predicted configurations drawn (open diamonds: {PREDICTED_NOTE}; their "
+                   "band as the capacity's error bar; quality: the score measured for their format)"
+                   + ("" if predicted else " · predictions have a capacity, knobs and their format's quality only: "
+                                           "choose such axes to see them"))
+
+
+def say_source(fig: Any, text: str) -> None:
+    """Say on the figure whether it shows measured or predicted figures."""
+    fig.update_layout(title={"text": text, "font": {"size": 13}, "y": 0.995, "yanchor": "top"},
+                      margin={"t": 80})
 
 
 def curves_tab(views: list[TrialView], info: StudyInfo, rec: int | None) -> None:
@@ -249,7 +278,9 @@ def curves_tab(views: list[TrialView], info: StudyInfo, rec: int | None) -> None
     shown = [curves.latency_curve(by_number[n], field) for n in chosen]
     limits = curves.slo_limits(bound_lines(info), field)
     with st.container(key="load_curves"):
-        st.plotly_chart(curves.latency_figure(shown, field, limits), key="latency_load_chart",
+        fig = curves.latency_figure(shown, field, limits)
+        say_source(fig, "measured: each probe of the trials' capacity searches")
+        st.plotly_chart(fig, key="latency_load_chart",
                         config={"displaylogo": False})
     st.caption(f"x = offered arrival rate of each probe · y = {curves.field_label(field)} of the probe's steady-state "
                "requests, error bars = its confidence interval (an arrow: that side is not bounded by so few "
@@ -259,9 +290,99 @@ def curves_tab(views: list[TrialView], info: StudyInfo, rec: int | None) -> None
     unit = st.radio("Throughput", ["rps", "tok_s"], horizontal=True, key="curve_unit",
                     format_func=lambda u: {"rps": "requests/s", "tok_s": "output tok/s"}[u])
     with st.container(key="throughput_curves"):
-        st.plotly_chart(curves.throughput_figure(shown, unit), key="throughput_chart", config={"displaylogo": False})
+        fig = curves.throughput_figure(shown, unit)
+        say_source(fig, "measured: achieved vs offered rate of each probe")
+        st.plotly_chart(fig, key="throughput_chart", config={"displaylogo": False})
     st.caption("achieved throughput of each probe vs the rate offered: it follows the diagonal while the engine keeps "
                "up and flattens at saturation (dotted: the closed-loop saturation measured before the probes)")
+
+
+def predicted_tab(views: list[TrialView], info: StudyInfo) -> None:
+    """`--strategy predict`: each measured configuration's predicted vs measured capacity, and the what-if."""
+    record = prediction_record(info.attrs)
+    rows = prediction_rows(views)
+    summary = prediction_summary(rows, record)
+    if summary:
+        st.markdown(summary)
+    if rows:
+        with st.container(key="predicted_vs_measured"):
+            st.plotly_chart(scatter_figure(rows), key="predicted_measured_chart", config={"displaylogo": False})
+        st.caption(f"x = {PREDICTED_NOTE}, its band as the horizontal bar · y = {MEASURED_NOTE}, its 95% interval as "
+                   "the vertical bar (no top: the search found no rate above it that misses) · on the dashed line the "
+                   "model was exact; above it the model under-predicted")
+        cc = st.column_config
+        rps = {k: cc.NumberColumn(k.replace("_rps", " (req/s)").replace("_", " "), format="%.3f")
+               for k in rows[0] if k.endswith("_rps")}
+        st.dataframe(rows, hide_index=True, width="stretch", column_config={
+            **rps, "trial": cc.NumberColumn("trial", format="%d"),
+            "signed_error": cc.NumberColumn("error (predicted − measured) / measured", format="percent"),
+            "within_band": cc.CheckboxColumn("measured within the band")})
+    if record:
+        whatif_section(record, views, info)
+
+
+@st.cache_resource(show_spinner=False)
+def tokenizer(model: str) -> Any:
+    from tuner.models import checkpoint_dir
+    from tuner.quantize import load_tokenizer
+
+    return load_tokenizer(checkpoint_dir(model))
+
+
+@st.cache_resource(show_spinner=False)
+def whatif_cache(study: str) -> dict[Any, Any]:
+    return {}  # capacity pools and simulated capacities, kept between what-ifs of one study
+
+
+def whatif_section(record: dict[str, Any], views: list[TrialView], info: StudyInfo) -> None:
+    from tuner.cli.predict import capacity_pool  # the prompts `tuner bench --capacity` sends for a workload
+
+    st.markdown("#### What-if (predicted: nothing is measured)")
+    base = whatif.study_scenario(info.attrs)
+    with st.form(key=f"whatif_{info.name}"):
+        c = st.columns([3, 2, 2, 2, 2])
+        slo = c[0].text_input("SLO", base.slo, help="bounds METRIC:STAT<TIME and targets METRIC<TIME, ';'-separated")
+        lens_in = c[1].text_input("input tokens", f"{base.input_len[0]}:{base.input_len[1]}")
+        lens_out = c[2].text_input("output tokens", f"{base.output_len[0]}:{base.output_len[1]}")
+        arrival = c[3].selectbox("arrivals", ["poisson", "constant"], index=int(base.arrival == "constant"))
+        rate = c[4].text_input("target rate (req/s)", "", help="replicas each configuration needs for it")
+        asked = st.form_submit_button("Predict every configuration")
+    if not asked:
+        st.caption(f"{len(record['configurations'])} configurations: change the SLO, the token lengths, the "
+                   "arrivals or a target rate and predict their capacities again from the study's engine profiles")
+        return
+    try:
+        scenario = whatif.parse_scenario(slo, lens_in, lens_out, arrival, rate)
+        tok = tokenizer(str(info.model))
+        out = whatif.what_if(record, info.attrs, views, scenario,
+                             lambda config, spec, options: capacity_pool(config, spec, options, tok),
+                             cache=whatif_cache(info.name))
+    except TunerError as e:
+        st.error(str(e))
+        return
+    except Exception as e:  # a tokenizer or profile that cannot be read here
+        st.error(f"the what-if cannot run here: {first_line(str(e)) or type(e).__name__}")
+        return
+    if out["message"]:
+        st.info(out["message"])
+        return
+    cal = out["calibration"]
+    st.caption(f"{len(out['rows'])} configurations predicted in {out['seconds']:.2f} s ({out['simulations']} "
+               f"simulated capacity searches), ranked by predicted capacity · calibrated = the model x "
+               f"{cal['ratio']:.2f}, the geometric mean of measured / predicted over {cal['n']} measured trial(s)"
+               + (" · measured: the trial's capacity, shown under the study's own SLO and workload only"
+                  if out.get("same_as_study") else ""))
+    for note in out["left_out"]:
+        st.caption(f"left out: {note}")
+    cc = st.column_config
+    st.dataframe(out["rows"], hide_index=True, width="stretch", key="whatif_table", column_config={
+        "rank": cc.NumberColumn("rank", format="%d"),
+        "predicted_rps": cc.NumberColumn("predicted (req/s, model)", format="%.3f"),
+        "calibrated_rps": cc.NumberColumn("predicted, calibrated (req/s)", format="%.3f"),
+        "study_predicted_rps": cc.NumberColumn("predicted in the search (req/s)", format="%.3f"),
+        "measured_rps": cc.NumberColumn("measured (req/s)", format="%.3f"),
+        "measured_trial": cc.NumberColumn("measured as trial", format="%d"),
+        "replicas_needed": cc.NumberColumn("replicas needed (predicted)", format="%d")})
 
 
 def trials_tab(views: list[TrialView], info: StudyInfo, rec: int | None, study: str) -> None:
@@ -353,7 +474,7 @@ def detail_tab(v: TrialView, info: StudyInfo) -> None:
                 else:
                     st.caption(f"{line['label']} is far right of these latencies (off the chart)")
             fig.update_layout(height=330, margin={"l": 10, "r": 10, "t": 40, "b": 10},
-                              title=f"latency of its {len(v.requests)} requests (CDF)", xaxis_title="ms",
+                              title=f"measured latency of its {len(v.requests)} requests (CDF)", xaxis_title="ms",
                               yaxis_title="share of requests", yaxis_range=[0, 1.02])
             st.plotly_chart(fig, key="latency_cdf")
         else:
@@ -371,7 +492,8 @@ def detail_tab(v: TrialView, info: StudyInfo) -> None:
                        + (f" · {q['limit']} examples per task" if "limit" in q else ""))
             tfig = go.Figure(go.Bar(x=[t["task"] for t in d["tasks"]], y=[t["acc"] for t in d["tasks"]],
                                     error_y={"type": "data", "array": [t["acc_stderr"] or 0 for t in d["tasks"]]}))
-            tfig.update_layout(height=260, margin={"l": 10, "r": 10, "t": 10, "b": 10}, yaxis_range=[0, 1],
+            tfig.update_layout(height=260, margin={"l": 10, "r": 10, "t": 40, "b": 10}, yaxis_range=[0, 1],
+                               title="measured accuracy per task",
                                yaxis_title="accuracy")
             st.plotly_chart(tfig, key="quality_tasks")
             st.dataframe(d["tasks"], hide_index=True, width="stretch")
@@ -494,7 +616,7 @@ def why_tab(views: list[TrialView], trials: list[Any], info: StudyInfo) -> None:
             if "importances" in res:
                 items = sorted(res["importances"].items(), key=lambda kv: kv[1])
                 fig = go.Figure(go.Bar(x=[v for _, v in items], y=[k for k, _ in items], orientation="h"))
-                fig.update_layout(height=220, margin={"l": 10, "r": 10, "t": 40, "b": 10}, title=titles[label],
+                fig.update_layout(height=220, margin={"l": 10, "r": 10, "t": 40, "b": 10}, title=f"{titles[label]}, over the measured trials",
                                   xaxis_title="share of variance", xaxis_range=[0, 1])
                 st.plotly_chart(fig, key=f"imp_{label}")
             else:
@@ -570,8 +692,13 @@ def main() -> None:
     rec = recommended_number(ans, info)
     header(info, views, rec)
     selected = select_trial(views, rec)
-    t_pareto, t_curves, t_trials, t_detail, t_why, t_export = st.tabs(
-        ["Pareto", "Latency–load", "Trials", "Trial detail", "Why this one", "Export"])
+    names = ["Pareto", "Latency–load", "Trials", "Trial detail", "Why this one", "Export"]
+    predicted = has_predictions(info.attrs, views)
+    tabs = st.tabs(names[:2] + ["Predicted vs measured"] + names[2:] if predicted else names)
+    t_pareto, t_curves, t_trials, t_detail, t_why, t_export = tabs[:2] + tabs[-4:]
+    if predicted:
+        with tabs[2]:
+            predicted_tab(views, info)
     with t_pareto:
         pareto_tab(views, info, rec)
     with t_curves:

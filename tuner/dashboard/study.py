@@ -141,6 +141,7 @@ class TrialView:
     baseline: bool
     duration_s: float | None
     capacity: Mapping[str, Any] | None = None
+    predicted: Mapping[str, Any] | None = None  # `--strategy predict`: its `predicted_*` attrs (before it was measured)
 
     @property
     def capacity_rps(self) -> float | None:
@@ -186,7 +187,8 @@ def trial_views(trials: Sequence[Any], study_attrs: Mapping[str, Any] | None = N
         eng = ua.get("engine")
         out.append(TrialView(r, dict(getattr(t, "params", {}) or {}), list(reqs) if isinstance(reqs, list) else [],
                              eng if isinstance(eng, dict) else None, bool(ua.get("baseline")), dur,
-                             r.capacity if r.trial_capacity is not None else capacity_attr(ua)))
+                             r.capacity if r.trial_capacity is not None else capacity_attr(ua),
+                             {k: x for k, x in ua.items() if k.startswith("predicted_")} or None))
     return sorted(out, key=lambda v: v.number)
 
 

@@ -1,0 +1,309 @@
+"""The dashboard on a `tuner search --strategy predict` study (tuner/dashboard/predicted.py, whatif.py, app.py).
+
+The study is made by the real PredictStrategy driven as tuner.search.loop drives it: it predicts every configuration
+of tests/data/tiny_predict_space.yaml from engine profiles taken by the real profile protocol
+(tuner.predict.profile.collect_samples) on a simulated engine and stored in a temporary profile cache, and each
+trial it enqueues is "measured" by the real capacity search (tuner.measure.capacity.CapacitySearch) on a simulated
+engine twice as slow as its profile says (the model over-predicts, as a profile taken on a quieter host does). No
+model, no server: every figure comes from the real strategy, simulator and capacity search.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO
+from tuner.dashboard import predicted as pr
+from tuner.dashboard import whatif as wi
+from tuner.dashboard.study import CAPACITY, study_info, trial_views
+from tuner.errors import TunerError
+
+SPACE = REPO / "tests" / "data" / "tiny_predict_space.yaml"
+SLOWER = 2.0  # the "real" engine's steps against its profile's
+STEPS = {"Q4_1": 0.002, "Q8_0": 0.001}  # decode time per running sequence (s) of each weight type's engine
+
+
+def step_model(quant: str, factor: float = 1.0) -> Any:
+    from tuner.predict.simulate import StepModel
+
+    return StepModel(decode_base_s=0.010 * factor, decode_per_seq_s=STEPS[quant] * factor,
+                     prefill_base_s=0.003 * factor, prefill_per_token_s=1e-4 * factor, noise_sigma=0.1)
+
+
+def simulated_profile(quant: str, cap: int) -> dict[str, Any]:
+    """A profile taken by the real protocol on a simulated engine, as profile.py writes it (id, version, fit)."""
+    from tuner.predict import profile as prof
+    from tuner.predict.fit import fit_step_model
+    from tuner.predict.simulate import SimulatedEngine
+
+    engine = SimulatedEngine(step_model(quant), cap, seed=5)
+    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), cap,
+                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0))
+    _, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
+    return {"version": prof.VERSION, "id": f"sim-{quant}", "key": {"host": {}, "build": {}}, "fit": fit,
+            "samples": s, "notes": [], "batch_cap": cap,
+            "ranges": {"max_seqs": cap, "max_context_per_seq": max(prof.DECODE_PROMPTS) + prof.DECODE_TOKENS,
+                       "max_prompt_tokens": max(prof.PREFILL_TOKENS)}}
+
+
+def pool_for(config: Any, spec: Any, options: Any) -> list[Any]:
+    """A capacity pool of the workload's token lengths (token ids only: no tokenizer in the unit tier)."""
+    from tuner.measure.workload import Request
+
+    rng = random.Random(spec.seed)
+    return [Request(i, "", tuple(range(rng.randint(*spec.input_len))), rng.randint(*spec.output_len), None)
+            for i in range(options.pool_size(config.batch_cap, measurements=2))]
+
+
+def context(space: Any) -> Any:
+    from tuner.measure.workload import WorkloadSpec
+    from tuner.search.objective import SearchContext
+    from tuner.slo import SLO, parse_slo
+
+    slo = SLO(bounds=tuple(parse_slo("e2e:p50<5s")))
+    return SearchContext(model="smollm2-135m", device="cpu", space=space, primary=slo.bounds[0], slo=slo,
+                         max_quality_drop=1.0, workload=WorkloadSpec(requests=24, input_len=(32, 64),
+                                                                     output_len=(8, 16)),
+                         quality_tasks=("arc_easy",), quality_limit=20, score_quality=False,
+                         probe_requests=(12, 30), max_probes=3)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A profile cache holding the two simulated profiles ($TUNER_CACHE for this module's tests)."""
+    from tuner.files import write_json_atomic
+
+    root = tmp_path_factory.mktemp("tuner-cache")
+    for quant in STEPS:
+        write_json_atomic(root / "profiles" / f"sim-{quant}.json", simulated_profile(quant, 4))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TUNER_CACHE", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def predict_study(cache_dir):
+    """(study, ctx, strategy) of a predict search on the tiny space: predictions from the cached profiles, the
+    trials the strategy chose measured on the slower engine."""
+    import optuna
+
+    from tuner.measure.capacity import CapacitySearch
+    from tuner.predict.profile import read_profile
+    from tuner.predict.simulate import SimulatedEngine
+    from tuner.predict.strategy import PredictStrategy
+    from tuner.search.space import load_space, suggest_config
+
+    class FromCache(PredictStrategy):
+        def cached(self, members: list[Any], cap: int) -> dict[str, Any]:
+            return read_profile(cache_dir / "profiles" / f"sim-{members[0].config['quant']}.json")
+
+    space = load_space(SPACE)
+    ctx = context(space)
+    strategy = FromCache(lambda config, options: pool_for(config, ctx.workload, options))
+    strategy.prepare(ctx, time_left_s=None)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    attrs = {"model": ctx.model, "slo": ctx.slo.to_dict(), "workload": ctx.workload.to_dict(),
+             "settings": ctx.settings(), "primary": str(ctx.primary), "bounds": [str(ctx.primary)],
+             "constraint_names": ["e2e:p50<5000ms", "failed requests=0"], "latency_metric": "e2e:p50",
+             "latency_target_ms": 5000.0}
+    for k, v in attrs.items():
+        study.set_user_attr(k, v)
+    options = strategy.options(ctx)
+
+    def objective(trial: Any) -> tuple[float, float]:
+        config = suggest_config(trial, space, ctx.model, ctx.device)
+        engine = SimulatedEngine(step_model(config.quant, SLOWER), config.batch_cap, seed=11)
+        cap = CapacitySearch(engine.run, pool_for(config, ctx.workload, options), config.batch_cap, options,
+                             clock=engine.clock).search()
+        trial.set_user_attr("config", config.to_dict())
+        trial.set_user_attr("capacity", cap)
+        trial.set_user_attr("constraints", [0.0 if cap["verdict"] == "meets" else 1.0, 0.0])
+        return float(cap["requests_per_s"] or 0.0), 0.0
+
+    for _ in range(4):
+        if not strategy.enqueue_next(study, space):
+            break
+        study.optimize(objective, n_trials=1)
+    return study, ctx, strategy
+
+
+def views_of(study: Any) -> list[Any]:
+    return trial_views(study.get_trials(deepcopy=False), study.user_attrs)
+
+
+# ------------------------------------------------------------------------------ predicted vs measured --- #
+def test_every_predicted_configuration_is_in_the_study_and_on_the_chart(predict_study) -> None:
+    study, ctx, strategy = predict_study
+    record = pr.prediction_record(study.user_attrs)
+    views = views_of(study)
+    assert record is not None and record["n_configurations"] == 6
+    assert len(record["configurations"]) == record["n_predicted"] == 6  # Q4_1 and Q8_0 x batch caps 1, 2, 4
+    assert {e["profile"] for e in record["configurations"]} == {"sim-Q4_1", "sim-Q8_0"}
+    points = pr.predicted_points(record, views, CAPACITY, "config.batch_cap")
+    assert sorted((p["config"]["quant"], p["y"]) for p in points) == [
+        ("Q4_1", 1.0), ("Q4_1", 2.0), ("Q4_1", 4.0), ("Q8_0", 1.0), ("Q8_0", 2.0), ("Q8_0", 4.0)]
+    measured = {v.number: v for v in views if v.state == "COMPLETE"}
+    assert 2 <= len(measured) < 6  # the search measured some, not all
+    for p in points:  # a measured configuration is still drawn as predicted, and names its trial
+        lo, hi = p["x"] - p["x_err"]["minus"], p["x"] + p["x_err"]["plus"]
+        assert lo <= p["x"] <= hi and hi > lo
+        assert "<b>predicted</b>" in p["hover"]
+        if p["measured_trial"] is not None:
+            assert measured[p["measured_trial"]].row.config["batch_cap"] == p["y"]
+    assert sum(p["measured_trial"] is not None for p in points) == len(measured)
+    # the batch cap goes up with the capacity the model predicts for a continuous-batching engine
+    q8 = sorted((p["y"], p["x"]) for p in points if p["config"]["quant"] == "Q8_0")
+    assert q8[0][1] < q8[-1][1]
+    # predictions have no latency: on a latency axis none is drawn, and the default y avoids it
+    assert pr.predicted_points(record, views, CAPACITY, "e2e_ms.p50") == []
+    assert pr.axes_for_predictions([CAPACITY, "e2e_ms.p50", "config.batch_cap"], CAPACITY, "e2e_ms.p50",
+                                   record) == (CAPACITY, "config.batch_cap")
+
+
+def test_predicted_vs_measured_rows_scatter_and_summary(predict_study) -> None:
+    study, _, _ = predict_study
+    views = views_of(study)
+    rows = pr.prediction_rows(views)
+    complete = [v for v in views if v.state == "COMPLETE"]
+    assert [r["trial"] for r in rows] == [v.number for v in complete]
+    for r in rows:
+        # the engine was twice as slow as profiled: the model over-predicted every measured configuration
+        assert r["measured_rps"] > 0 and r["predicted_rps"] > r["measured_rps"]
+        assert r["signed_error"] > 0 and r["config"].startswith("llamacpp ")
+        assert r["within_band"] == (r["predicted_band_low_rps"] <= r["measured_rps"] <= r["predicted_band_high_rps"])
+    line = pr.prediction_summary(rows, pr.prediction_record(study.user_attrs))
+    assert line.startswith(f"predicted 6 of 6 configurations, measured {len(rows)} of them; model error")
+    assert f"{sum(r['within_band'] for r in rows)} of {len(rows)} measured within their predicted band" in line
+    fig = pr.scatter_figure(rows)
+    traces = {t.name: t for t in fig.data}
+    ident = traces["predicted = measured"]
+    assert list(ident.x) == list(ident.y)  # the identity line
+    drawn = [(x, y) for t in fig.data if t.name != "predicted = measured" for x, y in zip(t.x, t.y)]
+    assert sorted(drawn) == sorted((r["predicted_rps"], r["measured_rps"]) for r in rows)
+    assert all(x > y for x, y in drawn)  # below the identity line: over-predicted
+    assert "predicted" in fig.layout.xaxis.title.text and "measured" in fig.layout.yaxis.title.text
+
+
+def test_a_study_without_predictions_shows_none_of_it() -> None:
+    from tests.test_dashboard import _mixed_specs, _study
+
+    study = _study(_mixed_specs())
+    views = views_of(study)
+    assert pr.prediction_record(study.user_attrs) is None and not pr.has_predictions(study.user_attrs, views)
+    assert pr.predicted_points(None, views, CAPACITY, "quality.score") == []
+    assert pr.prediction_rows(views) == [] and pr.prediction_summary([], None) is None
+
+
+def test_the_app_shows_the_predicted_tab_only_for_a_predict_study(predict_study, tmp_path, monkeypatch) -> None:
+    """The real app.py run by Streamlit's script runner (no server, no browser) on a sqlite copy of each study."""
+    import optuna
+    from streamlit.testing.v1 import AppTest
+
+    from tests.test_dashboard import _mixed_specs, _study
+
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    study, _, _ = predict_study
+    copy = optuna.create_study(study_name="pred", storage=url, directions=study.directions)
+    for k, v in study.user_attrs.items():
+        copy.set_user_attr(k, v)
+    copy.add_trials(study.get_trials(deepcopy=False))
+    _study(_mixed_specs(), storage=url, name="mixed")
+    monkeypatch.setenv("TUNER_STORAGE", url)
+    seen = {}
+    for name in ("pred", "mixed"):
+        at = AppTest.from_file(str(REPO / "app.py"), default_timeout=120)
+        at.query_params["study"] = name
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        seen[name] = [t.label for t in at.tabs]
+        text = " ".join(m.value for m in at.markdown)
+        if name == "pred":
+            assert "predicted 6 of 6 configurations, measured" in text
+            assert "What-if (predicted: nothing is measured)" in text
+    assert "Predicted vs measured" in seen["pred"] and "Predicted vs measured" not in seen["mixed"]
+
+
+# ------------------------------------------------------------------------------------------- what-if --- #
+def test_what_if_at_the_studys_own_scenario_reproduces_the_searchs_predictions(predict_study) -> None:
+    study, _, _ = predict_study
+    record = pr.prediction_record(study.user_attrs)
+    views = views_of(study)
+    out = wi.what_if(record, study.user_attrs, views, wi.study_scenario(study.user_attrs), pool_for)
+    assert out["message"] is None and out["same_as_study"] and out["simulations"] == 6
+    assert len(out["rows"]) == 6 and [r["rank"] for r in out["rows"]] == list(range(1, 7))
+    for r in out["rows"]:  # the study's capacity options and workload rebuilt from its attributes: the same searches
+        assert r["predicted_rps"] == pytest.approx(r["study_predicted_rps"], rel=1e-9)
+    rates = [r["predicted_rps"] for r in out["rows"]]
+    assert rates == sorted(rates, reverse=True)
+    measured = {v.number: v.capacity["requests_per_s"] for v in views if v.state == "COMPLETE"}
+    assert {r["measured_trial"]: r["measured_rps"] for r in out["rows"] if r["measured_trial"] is not None} == measured
+    cal = out["calibration"]  # the model over-predicted: the calibration scales it down
+    assert cal["n"] == len(measured) and cal["ratio"] < 1
+
+
+def test_what_if_re_ranks_under_a_tighter_slo_longer_outputs_and_a_target_rate(predict_study) -> None:
+    study, _, _ = predict_study
+    record = pr.prediction_record(study.user_attrs)
+    views = views_of(study)
+    base = wi.study_scenario(study.user_attrs)
+    cache: dict = {}
+    at = {name: {r["config"]: r for r in wi.what_if(record, study.user_attrs, views, sc, pool_for, cache=cache)["rows"]}
+          for name, sc in {"base": base, "tight": replace(base, slo="e2e:p50<250ms"),
+                           "long": replace(base, output_len=(24, 32)),
+                           "target": replace(base, target_rate_rps=10.0)}.items()}
+    # the pools per batch cap of two workloads (the SLO's scenario reuses the base's) and 3 scenarios' simulations
+    # (the target rate's are the base's)
+    assert len(cache) == 2 * 3 + 3 * 6
+    for config, r in at["base"].items():
+        assert at["tight"][config]["predicted_rps"] <= r["predicted_rps"]
+        assert at["long"][config]["predicted_rps"] < r["predicted_rps"]  # twice the tokens out per request
+        assert at["tight"][config]["measured_rps"] is None  # measured under another SLO: not shown
+        n, cal = at["target"][config]["replicas_needed"], at["target"][config]["calibrated_rps"]
+        assert n * cal >= 10.0 > (n - 1) * cal
+    assert any(r["predicted_rps"] < at["base"][c]["predicted_rps"] for c, r in at["tight"].items())
+    ranked = {name: sorted(rows, key=lambda c: rows[c]["rank"]) for name, rows in at.items()}
+    assert ranked["tight"] != ranked["base"]  # the tighter SLO costs the configurations unevenly: re-ranked
+    assert all(r["replicas_needed"] is None for r in at["base"].values())
+
+
+def test_what_if_without_a_profile_says_so_in_one_line(predict_study, tmp_path, monkeypatch) -> None:
+    study, _, _ = predict_study
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path / "empty"))
+    out = wi.what_if(pr.prediction_record(study.user_attrs), study.user_attrs, views_of(study),
+                     wi.study_scenario(study.user_attrs), pool_for)
+    assert out["rows"] == [] and "\n" not in out["message"]
+    assert out["message"].startswith("no profile of this study is in the profile cache")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("e2e:p50<5", "64:200", "32:64", "poisson", ""), "is invalid: expected a number with a unit"),
+    (("e2e:p50<5s", "200:64", "32:64", "poisson", ""), "input length '200:64' is invalid"),
+    (("e2e:p50<5s", "64:200", "x", "poisson", ""), "output length 'x' is invalid"),
+    (("e2e:p50<5s", "64:200", "32:64", "bursty", ""), "arrival 'bursty' is invalid"),
+    (("e2e:p50<5s", "64:200", "32:64", "poisson", "-3"), "target rate '-3' is invalid"),
+    (("e2e:p50<5s", "64:200", "32:64", "poisson", "nan"), "target rate 'nan' is invalid"),
+])
+def test_what_if_bad_input_is_one_line(args, needle) -> None:
+    with pytest.raises(TunerError, match=needle) as e:
+        wi.parse_scenario(*args)
+    assert "\n" not in str(e.value)
+
+
+def test_a_good_scenario_and_the_studys_own() -> None:
+    s = wi.parse_scenario("ttft:p90<2s; tpot<50ms", "16:32", "8", "constant", " 2.5 ")
+    assert s == wi.Scenario("ttft:p90<2s; tpot<50ms", (16, 32), (8, 8), "constant", 2.5)
+    attrs = {"slo": {"bounds": ["ttft:p90<2000ms"], "targets_ms": {"tpot_ms": 50.0}, "attainment": 0.9,
+                     "confidence": 0.9}, "workload": {"input_len": [64, 200], "output_len": [32, 64],
+                                                      "arrival": "constant"}}
+    own = wi.study_scenario(attrs)
+    assert own == wi.Scenario("ttft:p90<2000ms; tpot<50ms", (64, 200), (32, 64), "constant")
+    slo = wi.scenario_slo(attrs, own)  # the study's attainment and confidence carried over
+    assert slo.to_dict() == attrs["slo"]
+    assert wi.replicas(None, 1.0) is None and wi.replicas(3.0, 0.0) is None and wi.replicas(3.0, 1.0) == 3
+    assert math.isclose(study_info("s", attrs).slo["confidence"], 0.9)

@@ -1,0 +1,201 @@
+"""What-if: every configuration a `--strategy predict` study predicted, predicted again under another SLO, other
+input/output lengths or another arrival process, and re-ranked, without measuring anything.
+
+Each (profile, batch cap) of the study's predictions (tuner.dashboard.predicted.prediction_record) is one capacity
+search on the simulated engine (tuner.predict.estimate.simulated_capacity, as the strategy ran it) with the study's
+capacity settings, the scenario's SLO and the capacity pool the scenario's workload gives (`pool_for`: the prompts
+`tuner bench --capacity` would send; the caller builds them with the model's tokenizer). Profiles come from the
+profile cache by the ids the study recorded; without any, the what-if says so in one line. A target arrival rate
+gives the replicas each configuration needs (predicted). Point predictions only (no band: the band re-runs each
+search several times, too slow for an interactive page); the calibration of the study's measured trials (geometric
+mean of measured / predicted) is shown beside the raw model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tuner.dashboard.predicted import measured_trial, prediction_rows
+from tuner.dashboard.study import TrialView
+from tuner.dashboard.views import config_text
+from tuner.errors import TunerError
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What the what-if changes: the SLO's terms, the workload's token lengths and arrivals, a target rate."""
+
+    slo: str  # 'ttft:p90<2000ms' (bounds and per-request targets, ';'-separated)
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    arrival: str = "poisson"
+    target_rate_rps: float | None = None
+
+
+def slo_text(slo: Mapping[str, Any]) -> str:
+    """A study's SLO (its `slo` attribute) as the what-if's text: 'ttft:p90<3000ms; tpot<50ms'."""
+    terms = [str(b) for b in slo.get("bounds") or []]
+    terms += [f"{k.removesuffix('_ms')}<{v:g}ms" for k, v in (slo.get("targets_ms") or {}).items()]
+    return "; ".join(terms)
+
+
+def study_scenario(attrs: Mapping[str, Any]) -> Scenario:
+    """The scenario the study was searched under."""
+    w = attrs.get("workload") or {}
+    return Scenario(slo_text(attrs.get("slo") or {}), tuple(w.get("input_len") or (64, 256)),  # type: ignore[arg-type]
+                    tuple(w.get("output_len") or (32, 64)), str(w.get("arrival") or "poisson"))  # type: ignore[arg-type]
+
+
+def parse_scenario(slo: str, input_len: str, output_len: str, arrival: str, target_rate: str) -> Scenario:
+    """The page's inputs as a Scenario; a bad value is a TunerError of one line naming it and what is accepted."""
+    from tuner.measure.workload import parse_range
+    from tuner.slo import parse_slo_terms
+
+    parse_slo_terms(slo)
+    rate = None
+    if str(target_rate).strip():
+        try:
+            rate = float(target_rate)
+        except ValueError:
+            rate = -1.0
+        if not (rate > 0 and math.isfinite(rate)):
+            raise TunerError(f"target rate {target_rate!r} is invalid: expected a number of requests per second > 0 "
+                             "(or nothing)")
+    if arrival not in ("poisson", "constant"):
+        raise TunerError(f"arrival {arrival!r} is invalid: expected poisson or constant")
+    lens = []
+    for name, text in (("input length", input_len), ("output length", output_len)):
+        lo, hi = parse_range(text, name)
+        if lo <= 0 or hi < lo:
+            raise TunerError(f"{name} {text!r} is invalid: expected A:B with 1 <= A <= B")
+        lens.append((lo, hi))
+    return Scenario(slo.strip(), lens[0], lens[1], arrival, rate)
+
+
+def scenario_slo(attrs: Mapping[str, Any], scenario: Scenario) -> Any:
+    """The scenario's SLO at the study's attainment and confidence."""
+    from tuner.slo import SLO, parse_slo_terms
+
+    bounds, targets = parse_slo_terms(scenario.slo)
+    old = attrs.get("slo") or {}
+    return SLO(tuple(bounds), tuple(targets.items()), old.get("attainment") if targets else None,
+               float(old.get("confidence", 0.95)))
+
+
+def scenario_options(attrs: Mapping[str, Any], scenario: Scenario) -> tuple[Any, Any]:
+    """(CapacityOptions, WorkloadSpec) of the scenario: the study's capacity settings and workload, the scenario's
+    SLO, lengths and arrivals."""
+    from tuner.measure.capacity import CapacityOptions
+    from tuner.measure.workload import WorkloadSpec
+
+    w = dict(attrs.get("workload") or {})
+    spec = WorkloadSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in w.items()
+                           if k in WorkloadSpec.__dataclass_fields__})
+    spec = replace(spec, input_len=scenario.input_len, output_len=scenario.output_len, arrival=scenario.arrival)
+    cap = ((attrs.get("settings") or {}).get("capacity") or {})
+    kwargs: dict[str, Any] = {"slo": scenario_slo(attrs, scenario), "arrival": spec.arrival, "seed": spec.seed}
+    if cap.get("probe_requests"):
+        kwargs["probe_requests"] = tuple(cap["probe_requests"])
+    for key, name in (("max_probes", "max_probes"), ("timeout_s", "max_wall_s"),
+                      ("saturation_requests", "saturation_requests")):
+        if cap.get(key) is not None:
+            kwargs[name] = cap[key]
+    return CapacityOptions(**kwargs), spec
+
+
+def load_profiles(record: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """(id -> profile) of the study's profiles found in the cache, and the ids not found."""
+    from tuner.predict.profile import profiles_dir, read_profile
+
+    ids = sorted({str(e["profile"]) for e in record.get("configurations") or [] if e.get("profile")})
+    found, missing = {}, []
+    for pid in ids:
+        path = profiles_dir() / f"{pid}.json"
+        prof = read_profile(path) if path.exists() else None
+        if prof is None:
+            missing.append(pid)
+        else:
+            found[pid] = prof
+    return found, missing
+
+
+PoolFor = Callable[[Any, Any, Any], list[Any]]  # (TrialConfig, WorkloadSpec, CapacityOptions) -> capacity pool
+
+
+def what_if(record: Mapping[str, Any], attrs: Mapping[str, Any], views: Sequence[TrialView], scenario: Scenario,
+            pool_for: PoolFor, seed: int = 0, cache: dict[Any, Any] | None = None) -> dict[str, Any]:
+    """Every predicted configuration's capacity under `scenario`, ranked: {"rows", "message", "seconds",
+    "simulations", "left_out", "calibration"}. `message` (one line, no rows) when nothing can be predicted.
+    `cache` (a dict the caller keeps between calls) holds the capacity pools per (batch cap, workload, pool size) and
+    each simulation's result, so a scenario changing the SLO only does not rebuild the prompts, and one seen before
+    is not simulated again."""
+    from tuner.config import TrialConfig
+    from tuner.predict.estimate import simulated_capacity, token_budget
+    from tuner.predict.profile import profiles_dir, step_model
+    from tuner.predict.strategy import calibration
+
+    t0 = time.perf_counter()
+    entries = list(record.get("configurations") or [])
+    profiles, missing = load_profiles(record)
+    out: dict[str, Any] = {"rows": [], "message": None, "seconds": 0.0, "simulations": 0, "left_out": [],
+                           "calibration": None}
+    if not profiles:
+        out["message"] = (f"no profile of this study is in the profile cache ({profiles_dir()}): the what-if needs "
+                          "them (`tuner profile` measures one)")
+        return out
+    options, spec = scenario_options(attrs, scenario)
+    pairs = [(r["predicted_rps"], r["measured_rps"]) for r in prediction_rows(views) if r["measured_rps"]]
+    ratio, sigma = calibration(pairs)
+    out["calibration"] = {"ratio": ratio, "spread": sigma, "n": len(pairs)}
+    same = scenario == replace(study_scenario(attrs), target_rate_rps=scenario.target_rate_rps)
+    cache = {} if cache is None else cache
+    got: dict[tuple[str, int], float | None] = {}
+    rows = []
+    for e in entries:
+        pid = str(e.get("profile"))
+        if pid not in profiles:
+            continue
+        config = TrialConfig.from_dict(dict(e["config"]))
+        key = (pid, config.batch_cap)
+        if key not in got:
+            pool_key = ("pool", config.batch_cap, spec, options.pool_size(config.batch_cap, measurements=2))
+            if pool_key not in cache:
+                cache[pool_key] = pool_for(config, spec, options)
+            sim_key = ("simulation", pid, config.batch_cap, token_budget(config), spec, options, seed)
+            if sim_key not in cache:
+                res = simulated_capacity(step_model(profiles[pid]), config.batch_cap, cache[pool_key], options,
+                                         token_budget(config), seed)
+                cache[sim_key] = float(res.get("requests_per_s") or 0.0)
+            got[key] = cache[sim_key]
+        rps = got[key]
+        m = measured_trial(e["config"], views)
+        m_cap = (m.row.trial_capacity if m is not None and m.row.trial_capacity is not None else
+                 m.capacity if m is not None else None) or {}
+        rows.append({"config": config_text(e["config"]), "quant": e["config"].get("quant"),
+                     "batch_cap": config.batch_cap, "predicted_rps": rps,
+                     "calibrated_rps": rps * ratio if rps is not None else None,
+                     "study_predicted_rps": e.get("predicted_requests_per_s"),
+                     "measured_trial": m.number if m is not None else None,
+                     "measured_rps": (m_cap.get("requests_per_s") if same else None),
+                     "replicas_needed": replicas(scenario.target_rate_rps, rps * ratio if rps else None),
+                     "profile": pid})
+    rows.sort(key=lambda r: (-(r["predicted_rps"] or 0.0), r["config"]))
+    for i, r in enumerate(rows, 1):
+        r["rank"] = i
+    n_missing = sum(str(e.get("profile")) in missing for e in entries)
+    if missing:
+        out["left_out"].append(f"{n_missing} configuration(s) of profile(s) {', '.join(missing)}: not in the "
+                               f"profile cache ({profiles_dir()})")
+    out.update(rows=rows, seconds=time.perf_counter() - t0, simulations=len(got), same_as_study=same)
+    return out
+
+
+def replicas(target_rps: float | None, capacity_rps: float | None) -> int | None:
+    """Replicas of a configuration that serve `target_rps` within the SLO (None without a target or a capacity)."""
+    if target_rps is None or not capacity_rps or capacity_rps <= 0:
+        return None
+    return math.ceil(target_rps / capacity_rps - 1e-9)
