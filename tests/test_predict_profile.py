@@ -86,7 +86,9 @@ def test_a_profile_from_another_host_is_measured_again_with_a_note(tmp_path: Pat
            "format": {"quant": "Q8_0"}, "host": {"cpu_model": "this", "cores": 2}}
     elsewhere = dict(key, host={"cpu_model": "another", "cores": 64})
     (tmp_path / "profiles").mkdir()
-    (tmp_path / "profiles" / f"{prof.profile_id(elsewhere)}.json").write_text(json.dumps(fake_profile(elsewhere)))
+    older_build = dict(key, build={"commit": "w"})
+    for other in (elsewhere, older_build):
+        (tmp_path / "profiles" / f"{prof.profile_id(other)}.json").write_text(json.dumps(fake_profile(other)))
     measured: list[int] = []
     monkeypatch.setattr(prof, "profile_key", lambda c: key)
 
@@ -98,6 +100,7 @@ def test_a_profile_from_another_host_is_measured_again_with_a_note(tmp_path: Pat
     first = prof.load_or_measure(config, 4)
     assert measured == [4] and not first["cached"]
     assert any("from another host" in n and "not reused" in n for n in first["notes"])
+    assert any("from another build" in n and "not reused" in n for n in first["notes"])
     again = prof.load_or_measure(config, 4)  # this host's is cached now
     assert measured == [4] and again["cached"]
     wider = prof.load_or_measure(config, 8)  # a wider batch than profiled: measured again

@@ -208,3 +208,20 @@ def test_the_strategys_bands_carry_the_profiles_calibration_history(monkeypatch,
     assert later.predictions and all(p.band[0] <= 0.5 * p.rps for p in later.predictions)
     assert any("1 of 1 capacities measured for predictions from this profile fell outside their band" in n
                for n in later.notes)
+
+
+class ProfiledElsewhere(SimulatedProfiles):
+    """The profile measured now says why (another host's profile of this format was not reused)."""
+
+    def measure(self, members: list[st.Prediction], cap: int) -> dict[str, Any]:
+        got = super().measure(members, cap)
+        return dict(got, notes=["a profile of this model and format from another host (x.json, measured then) is "
+                                "not reused here: measured again"])
+
+
+def test_a_profile_measured_again_says_why_in_the_strategys_answer() -> None:
+    strategy = ProfiledElsewhere(lambda c, o: pool_of(o.pool_size(c.batch_cap, 2)))
+    strategy.prepare(context(load_space(SPACE)), time_left_s=0.0)
+    notes = strategy.report_prediction()["notes"]
+    assert any(n.startswith("profile of quant=Q4_1") and "from another host" in n and "measured again" in n
+               for n in notes)
