@@ -225,3 +225,20 @@ def test_a_profile_measured_again_says_why_in_the_strategys_answer() -> None:
     notes = strategy.report_prediction()["notes"]
     assert any(n.startswith("profile of quant=Q4_1") and "from another host" in n and "measured again" in n
                for n in notes)
+
+
+def test_a_tail_slo_is_predicted_without_the_capacity_budget() -> None:
+    """ttft:p99 at the study's settings (probes sized for 5 probes: 597 first, within 600 requests and 600 s): the
+    simulated blind bracket stops after one probe and predicts nothing meets; the strategy's simulations lift the
+    budget (virtual time) and predict the capacity the same rules find, which the verification then starts at."""
+    strategy = st.PredictStrategy(lambda c, o: [])
+    study = CapacityOptions(slo=P99, probe_requests=probe_requests_for(P99, 5, None))
+    lifted = strategy.simulated(study)
+    assert (lifted.probe_requests, lifted.max_probes, lifted.slo) == (study.probe_requests, 5, P99)
+    pool = pool_of(study.pool_size(4, 1))
+    cut = simulated_capacity(TRUTH, 4, pool, study, 2048, 100)
+    free = simulated_capacity(TRUTH, 4, pool, lifted, 2048, 100)
+    assert cut["requests_per_s"] == 0 and len(cut["probes"]) == 1
+    assert free["verdict"] == "meets" and free["requests_per_s"] > 0 and len(free["probes"]) > 1
+    p50 = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p50<300ms"))))
+    assert strategy.simulated(p50) is p50  # a median: the study's own budget

@@ -48,6 +48,8 @@ PRIOR_SIGMA = 0.3  # log-spread of measured / predicted before any measurement (
 PRIOR_WEIGHT = 2.0  # pseudo-measurements the prior spread counts as
 SPREADS = 2.0  # a calibrated band is +-2 spreads (about 95%)
 STOP_CHANCE = 0.5 * math.erfc(SPREADS / math.sqrt(2))  # = P(z > 2): below it, the band's top is under the best
+SIM_WALL_S = 1e6  # a tail SLO's simulations: the capacity budget in virtual seconds (lifted: see `simulated`)
+SIM_PROBE_PASSES = 3  # ... and in requests: this many probe caps per probe
 PREDICTIONS = "predictions"  # study attribute: every configuration predicted (tuner.dashboard.predicted reads it)
 
 
@@ -191,6 +193,7 @@ class PredictStrategy:
         self.pools: dict[int, list[Any]] = {}  # batch cap -> capacity pool
         self.slo: Any = None  # the study's SLO (prepare): a tail term is verified at the predicted capacity
         self.timeouts_s = (0.0, 0.0)  # the study's --capacity-timeout and --trial-timeout (prepare)
+        self.pool_options: Any = None  # the study's capacity settings (prepare): what the pools are built for
 
     # ---------------------------------------------------------------------------------- predict --- #
     def options(self, ctx: Any) -> Any:
@@ -201,10 +204,26 @@ class PredictStrategy:
                                max_wall_s=ctx.capacity_timeout_s, saturation_requests=ctx.saturation_requests,
                                arrival=ctx.workload.arrival, seed=ctx.workload.seed)
 
+    def simulated(self, options: Any) -> Any:
+        """The settings the simulations run with: the study's, except with a tail SLO, whose probes of hundreds of
+        requests a --capacity-timeout cuts to one or two: there the budget is lifted (virtual time costs no wall
+        time), so the prediction is the capacity the same rules find with room to spare -- where each measured
+        configuration is then verified (tuner.predict.verify) -- not the figure a budget-cut blind bracket would
+        stop at."""
+        from dataclasses import replace
+
+        from tuner.predict.verify import tail_terms
+
+        if not tail_terms(options.slo):
+            return options
+        return replace(options, max_wall_s=SIM_WALL_S,
+                       max_requests=SIM_PROBE_PASSES * options.max_probes * options.probe_requests[1])
+
     def prepare(self, ctx: Any, time_left_s: float | None) -> None:
         """Enumerate, profile what the time affords, predict every profiled configuration."""
         from optuna.trial import FixedTrial
 
+        from tuner.predict.verify import tail_terms
         from tuner.search.space import config_key, suggest_config
 
         space = ctx.space
@@ -223,7 +242,13 @@ class PredictStrategy:
         order = profile_order(list(groups), format_of(base_cfg), self.seed)
         budget_s = PROFILE_SHARE * time_left_s if time_left_s is not None else None
         spent_s, measured, longest_s = 0.0, 0, PROFILE_S_GUESS
-        options = self.options(ctx)
+        self.pool_options = self.options(ctx)
+        options = self.simulated(self.pool_options)
+        if options is not self.pool_options:
+            self.notes.append(f"{', '.join(tail_terms(ctx.slo))}: predicted without the capacity budget (virtual "
+                              f"time; a blind measurement within --capacity-timeout {ctx.capacity_timeout_s:.0f} s "
+                              "stops after a probe or two): each measured configuration is verified at its "
+                              "prediction instead")
         for fmt in order:
             members = groups[fmt]
             cap = max(p.config["batch_cap"] for p in members)
@@ -320,8 +345,8 @@ class PredictStrategy:
 
     def pool(self, config: Any, options: Any) -> list[Any]:
         """The capacity pool for this batch cap (it depends on the batch cap only: built once per cap)."""
-        if config.batch_cap not in self.pools:
-            self.pools[config.batch_cap] = self.pool_for(config, options)
+        if config.batch_cap not in self.pools:  # sized for the study's budget: a lifted one repeats its prompts
+            self.pools[config.batch_cap] = self.pool_for(config, self.pool_options or options)
         return self.pools[config.batch_cap]
 
     def band_all(self, options: Any) -> None:
