@@ -351,12 +351,12 @@ def whatif_section(record: dict[str, Any], views: list[TrialView], info: StudyIn
         st.caption(f"{len(record['configurations'])} configurations: change the SLO, the token lengths, the "
                    "arrivals or a target rate and predict their capacities again from the study's engine profiles")
         return
+    def pool(config: Any, spec: Any, options: Any) -> list[Any]:  # the model's tokenizer, loaded when first needed
+        return capacity_pool(config, spec, options, tokenizer(str(info.model)))
+
     try:
         scenario = whatif.parse_scenario(slo, lens_in, lens_out, arrival, rate)
-        tok = tokenizer(str(info.model))
-        out = whatif.what_if(record, info.attrs, views, scenario,
-                             lambda config, spec, options: capacity_pool(config, spec, options, tok),
-                             cache=whatif_cache(info.name))
+        out = whatif.what_if(record, info.attrs, views, scenario, pool, cache=whatif_cache(info.name))
     except TunerError as e:
         st.error(str(e))
         return

@@ -61,16 +61,12 @@ def pool_for(config: Any, spec: Any, options: Any) -> list[Any]:
 
 
 def context(space: Any) -> Any:
+    """The predict strategy's unit-test search context (e2e:p50<5s, probes of 12-30 requests, 3 probes) with
+    short requests (a cheaper simulation)."""
+    from tests.test_predict_strategy import context as strategy_context
     from tuner.measure.workload import WorkloadSpec
-    from tuner.search.objective import SearchContext
-    from tuner.slo import SLO, parse_slo
 
-    slo = SLO(bounds=tuple(parse_slo("e2e:p50<5s")))
-    return SearchContext(model="smollm2-135m", device="cpu", space=space, primary=slo.bounds[0], slo=slo,
-                         max_quality_drop=1.0, workload=WorkloadSpec(requests=24, input_len=(32, 64),
-                                                                     output_len=(8, 16)),
-                         quality_tasks=("arc_easy",), quality_limit=20, score_quality=False,
-                         probe_requests=(12, 30), max_probes=3)
+    return replace(strategy_context(space), workload=WorkloadSpec(requests=24, input_len=(32, 64), output_len=(8, 16)))
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +222,9 @@ def test_the_app_shows_the_predicted_tab_only_for_a_predict_study(predict_study,
         if name == "pred":
             assert "predicted 6 of 6 configurations, measured" in text
             assert "What-if (predicted: nothing is measured)" in text
+            titles = [c.proto.spec for c in at.get("plotly_chart")]
+            assert any("measured trials and predicted configurations" in t for t in titles)
+            assert any("predicted (x, band) vs measured (y, 95% CI)" in t for t in titles)
     assert "Predicted vs measured" in seen["pred"] and "Predicted vs measured" not in seen["mixed"]
 
 
