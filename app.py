@@ -304,6 +304,8 @@ def predicted_tab(views: list[TrialView], info: StudyInfo) -> None:
     summary = prediction_summary(rows, record)
     if summary:
         st.markdown(summary)
+    for entry in (record or {}).get("left_out") or []:
+        st.caption(f"not predicted: {entry['configurations']} configuration(s): {entry['why']}")
     if rows:
         with st.container(key="predicted_vs_measured"):
             st.plotly_chart(scatter_figure(rows), key="predicted_measured_chart", config={"displaylogo": False})
@@ -375,7 +377,7 @@ def whatif_section(record: dict[str, Any], views: list[TrialView], info: StudyIn
     for note in out["left_out"]:
         st.caption(f"left out: {note}")
     cc = st.column_config
-    st.dataframe(out["rows"], hide_index=True, width="stretch", key="whatif_table", column_config={
+    st.container(key="whatif_rows").dataframe(out["rows"], hide_index=True, width="stretch", column_config={
         "rank": cc.NumberColumn("rank", format="%d"),
         "predicted_rps": cc.NumberColumn("predicted (req/s, model)", format="%.3f"),
         "calibrated_rps": cc.NumberColumn("predicted, calibrated (req/s)", format="%.3f"),

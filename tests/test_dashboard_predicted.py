@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
+from tests.test_dashboard import browser, page  # noqa: F401  (the real-browser fixtures, shared)
 from tuner.dashboard import predicted as pr
 from tuner.dashboard import whatif as wi
 from tuner.dashboard.study import CAPACITY, study_info, trial_views
@@ -71,10 +72,16 @@ def context(space: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    """A profile cache holding the two simulated profiles ($TUNER_CACHE for this module's tests)."""
+    """A cache holding the two simulated profiles ($TUNER_CACHE for this module's tests); the rest of the cache
+    (converted models, GGUFs, engine builds) is the usual one, linked, so nothing is converted again."""
     from tuner.files import write_json_atomic
+    from tuner.models import cache_root
 
     root = tmp_path_factory.mktemp("tuner-cache")
+    usual = cache_root()
+    for entry in (usual.iterdir() if usual.is_dir() else ()):
+        if entry.name != "profiles":
+            (root / entry.name).symlink_to(entry)
     for quant in STEPS:
         write_json_atomic(root / "profiles" / f"sim-{quant}.json", simulated_profile(quant, 4))
     with pytest.MonkeyPatch.context() as mp:
@@ -198,17 +205,12 @@ def test_a_study_without_predictions_shows_none_of_it() -> None:
 
 def test_the_app_shows_the_predicted_tab_only_for_a_predict_study(predict_study, tmp_path, monkeypatch) -> None:
     """The real app.py run by Streamlit's script runner (no server, no browser) on a sqlite copy of each study."""
-    import optuna
     from streamlit.testing.v1 import AppTest
 
     from tests.test_dashboard import _mixed_specs, _study
 
-    url = f"sqlite:///{tmp_path / 'studies.db'}"
     study, _, _ = predict_study
-    copy = optuna.create_study(study_name="pred", storage=url, directions=study.directions)
-    for k, v in study.user_attrs.items():
-        copy.set_user_attr(k, v)
-    copy.add_trials(study.get_trials(deepcopy=False))
+    url = sqlite_copy(study, tmp_path / "studies.db")
     _study(_mixed_specs(), storage=url, name="mixed")
     monkeypatch.setenv("TUNER_STORAGE", url)
     seen = {}
@@ -226,6 +228,50 @@ def test_the_app_shows_the_predicted_tab_only_for_a_predict_study(predict_study,
             assert any("measured trials and predicted configurations" in t for t in titles)
             assert any("predicted (x, band) vs measured (y, 95% CI)" in t for t in titles)
     assert "Predicted vs measured" in seen["pred"] and "Predicted vs measured" not in seen["mixed"]
+
+
+def sqlite_copy(study: Any, path: Any, name: str = "pred") -> str:
+    """The study copied into a SQLite storage (what `tuner dashboard` reads)."""
+    import optuna
+
+    url = f"sqlite:///{path}"
+    copy = optuna.create_study(study_name=name, storage=url, directions=study.directions)
+    for k, v in study.user_attrs.items():
+        copy.set_user_attr(k, v)
+    copy.add_trials(study.get_trials(deepcopy=False))
+    return url
+
+
+def test_a_predict_study_in_a_real_browser(predict_study, page, tmp_path) -> None:  # noqa: F811 (fixture)
+    """`tuner dashboard` (a real Streamlit server) in real Chromium: the front's predicted configurations, the
+    predicted-vs-measured chart, and the what-if with the model's real tokenizer and prompts (a bad SLO is one line;
+    a tighter one re-predicts every configuration)."""
+    from tests.test_dashboard import LOAD_S, no_exception, plot_traces, shot, tab, tuner_dashboard
+
+    study, _, _ = predict_study
+    n_measured = len(pr.prediction_rows(views_of(study)))
+    srv = tuner_dashboard(sqlite_copy(study, tmp_path / "pred.db"), tmp_path / "dashboard.log")
+    try:
+        page.goto(f"{srv.url}/?study=pred")
+        page.get_by_role("tab", name="Predicted vs measured", exact=True).wait_for(timeout=LOAD_S * 1000)
+        page.locator(".js-plotly-plot").first.wait_for()
+        assert plot_traces(page, 0)[pr.PREDICTED_NAME] == 6  # the Pareto chart: every predicted configuration
+        tab(page, "Predicted vs measured")
+        page.locator(".st-key-predicted_vs_measured .js-plotly-plot").wait_for()
+        drawn = plot_traces(page, "predicted_vs_measured")
+        assert sum(n for name, n in drawn.items() if name != "predicted = measured") == n_measured
+        box = page.get_by_label("SLO", exact=True)
+        box.fill("e2e:p50<5")
+        page.get_by_role("button", name="Predict every configuration").click()
+        page.get_by_text("is invalid: expected a number with a unit").wait_for()
+        box.fill("e2e:p50<250ms")
+        page.get_by_role("button", name="Predict every configuration").click()
+        page.locator(".st-key-whatif_rows").wait_for(timeout=LOAD_S * 1000)
+        page.get_by_text("6 configurations predicted in").wait_for()
+        shot(page, "predicted")
+        no_exception(page)
+    finally:
+        srv.stop()
 
 
 # ------------------------------------------------------------------------------------------- what-if --- #
