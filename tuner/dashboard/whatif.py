@@ -45,14 +45,17 @@ def slo_text(slo: Mapping[str, Any]) -> str:
 
 def study_scenario(attrs: Mapping[str, Any]) -> Scenario:
     """The scenario the study was searched under."""
-    w = attrs.get("workload") or {}
-    return Scenario(slo_text(attrs.get("slo") or {}), tuple(w.get("input_len") or (64, 256)),  # type: ignore[arg-type]
-                    tuple(w.get("output_len") or (32, 64)), str(w.get("arrival") or "poisson"))  # type: ignore[arg-type]
+    from tuner.measure.workload import WorkloadSpec
+
+    w, default = attrs.get("workload") or {}, WorkloadSpec()
+    return Scenario(slo_text(attrs.get("slo") or {}), tuple(w.get("input_len") or default.input_len),  # type: ignore[arg-type]
+                    tuple(w.get("output_len") or default.output_len),  # type: ignore[arg-type]
+                    str(w.get("arrival") or default.arrival))
 
 
 def parse_scenario(slo: str, input_len: str, output_len: str, arrival: str, target_rate: str) -> Scenario:
     """The page's inputs as a Scenario; a bad value is a TunerError of one line naming it and what is accepted."""
-    from tuner.measure.workload import parse_range
+    from tuner.measure.workload import WorkloadSpec, parse_range
     from tuner.slo import parse_slo_terms
 
     parse_slo_terms(slo)
@@ -65,14 +68,8 @@ def parse_scenario(slo: str, input_len: str, output_len: str, arrival: str, targ
         if not (rate > 0 and math.isfinite(rate)):
             raise TunerError(f"target rate {target_rate!r} is invalid: expected a number of requests per second > 0 "
                              "(or nothing)")
-    if arrival not in ("poisson", "constant"):
-        raise TunerError(f"arrival {arrival!r} is invalid: expected poisson or constant")
-    lens = []
-    for name, text in (("input length", input_len), ("output length", output_len)):
-        lo, hi = parse_range(text, name)
-        if lo <= 0 or hi < lo:
-            raise TunerError(f"{name} {text!r} is invalid: expected A:B with 1 <= A <= B")
-        lens.append((lo, hi))
+    lens = [parse_range(input_len, "input length"), parse_range(output_len, "output length")]
+    WorkloadSpec(input_len=lens[0], output_len=lens[1], arrival=arrival)  # its checks: the one home of the rules
     return Scenario(slo.strip(), lens[0], lens[1], arrival, rate)
 
 
