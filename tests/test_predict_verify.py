@@ -242,3 +242,30 @@ def test_a_tail_slo_is_predicted_without_the_capacity_budget() -> None:
     assert free["verdict"] == "meets" and free["requests_per_s"] > 0 and len(free["probes"]) > 1
     p50 = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p50<300ms"))))
     assert strategy.simulated(p50) is p50  # a median: the study's own budget
+
+
+def test_the_pick_of_a_tail_slo_is_confirmed_at_its_figure_the_way_its_trial_was_verified(monkeypatch, tmp_path):
+    """--confirm re-measures the pick the way its trial was measured: a tail verification, now started at the
+    trial's measured capacity (the child `tuner bench` replaced: only the settings it is given are checked)."""
+    import optuna
+
+    import tuner.search.confirm as C
+
+    plan, _ = verification_plan(P99, 0.9, 600.0, 7200.0)
+    cap = {"requests_per_s": 0.8, "requests_per_s_ci": [0.8, 1.2], "verdict": "meets", "probes": []}
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    study.add_trial(optuna.trial.create_trial(
+        values=[0.8, 0.0], state=optuna.trial.TrialState.COMPLETE,
+        user_attrs={"config": {"model": "smollm2-135m", "engine": "llamacpp", "quant": "Q4_1", "batch_cap": 4},
+                    "capacity": cap, "constraints": [-0.1, 0.0], "capacity_plan": plan}))
+    given = []
+
+    def measure(config, ctx, trial_dir, plan=None):
+        given.append(plan)
+        return {"status": "ok", "metrics": {"capacity": cap}}
+
+    monkeypatch.setattr(C, "measure", measure)
+    ctx = context(load_space(SPACE))
+    ctx.study_dir = tmp_path
+    C.confirm_best(study, ctx, 1, log=lambda s: None)
+    assert given == [dict(plan, start_rps=0.8)]

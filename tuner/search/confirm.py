@@ -51,8 +51,11 @@ def confirm_best(study: Any, ctx: SearchContext, max_measures: int, log: Any = p
             break
         log(f"confirming trial {row.number} ({row.rps:.3g} req/s in its trial): re-measuring it after the search")
         t0 = time.monotonic()
-        bench = measure(TrialConfig.from_dict(row.config), ctx,
-                        ctx.study_dir / "trials" / f"{row.number:04d}" / f"confirm-{k}")
+        plan = next((t.user_attrs.get("capacity_plan") for t in study.get_trials(deepcopy=False)
+                     if t.number == row.number), None)  # --strategy predict's tail verification: at its figure
+        where = ctx.study_dir / "trials" / f"{row.number:04d}" / f"confirm-{k}"
+        bench = (measure(TrialConfig.from_dict(row.config), ctx, where, dict(plan, start_rps=row.rps))
+                 if plan and row.rps > 0 else measure(TrialConfig.from_dict(row.config), ctx, where))
         metrics = dict(bench.get("metrics") or {})
         capacity = metrics.pop("capacity", None) if bench.get("status") == "ok" else None
         if capacity is None:  # a re-measure that fails says the pick cannot be reproduced: no rate was shown to
