@@ -31,11 +31,18 @@ def search(engine, slo, **kw):
         engine.stop(drain=False)
 
 
-def test_finds_a_known_service_rate_within_tolerance():
+@pytest.fixture(scope="module")
+def steady_search():
+    """One capacity search of a steady engine of known service rate, judged on E2E p90 < 200 ms, that two tests
+    read (one search of ~12 s instead of two alike)."""
+    return search(FakeEngine(servers=2, prefill_s=0.02, token_s=0.01), SLO(tuple(parse_slo("e2e:p90<200ms"))))
+
+
+def test_finds_a_known_service_rate_within_tolerance(steady_search):
     # 2 servers x (20 ms + 7 x 10 ms) = 0.09 s per request -> 22.2 req/s; with constant arrivals nothing queues
     # below that rate (E2E = 90 ms) and the queue grows above it, so E2E p90 < 200 ms holds up to ~the service rate
     mu = 2 / (0.02 + 7 * 0.01)
-    cap = search(FakeEngine(servers=2, prefill_s=0.02, token_s=0.01), SLO(tuple(parse_slo("e2e:p90<200ms"))))
+    cap = steady_search
     assert cap["verdict"] == "meets"
     assert cap["saturation"]["requests_per_s"] == pytest.approx(mu, rel=0.15)
     lo, hi = cap["requests_per_s_ci"]
@@ -138,14 +145,14 @@ def test_a_pool_shorter_than_the_budget_repeats_prompts_and_says_so():
     assert sum("repeat prompts" in n for n in cap["notes"]) == 1
 
 
-def test_an_engine_that_slowed_during_the_measurement_is_said():
+def test_an_engine_that_slowed_during_the_measurement_is_said(steady_search):
     """The canary (one fixed prompt, 3 copies at the batch cap of 2, before the saturation probe, after it and after
     every rate probe): an engine whose every request from the 6th on runs 1.5x slower (warm-up 2 + first canary 3,
     then the slowdown, as a neighbour arriving on the host) gives a drift of +50% (the start ran 1.5x as fast as the
     measurement's median) and a note; a steady engine, neither.
     A neighbour there only during the saturation probe (gone before the first rate probe) is seen too."""
     slo = SLO(tuple(parse_slo("e2e:p90<200ms")))
-    steady = search(FakeEngine(servers=2, prefill_s=0.02, token_s=0.01), slo)
+    steady = steady_search  # FakeEngine(servers=2, prefill_s=0.02, token_s=0.01) judged on `slo`
     # each canary: 3 copies x 7 gaps between their 8 tokens
     assert steady["canary"]["n"] == [3 * 7] * (2 + len(steady["probes"])) and abs(steady["canary"]["drift"]) < 0.1
     assert steady["canary"]["at"][:2] == ["start", "after the saturation probe"]
