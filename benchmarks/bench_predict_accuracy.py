@@ -1,0 +1,166 @@
+"""Accuracy of the capacity model on llama.cpp (issue 26's benchmark): fitted on engine profiles only, scored on a
+measured grid it was not fitted on.
+
+For each configuration of the grid (weight type x `-np` x KV type): `tuner predict` (the engine profile of that
+format, measured once per format or read from the cache; the point prediction uses the profile alone: the
+calibration history only widens the band, and nothing is recorded into it here) and `tuner bench --capacity` (the
+real capacity, same flags, SLO and seed; minutes each). Scored: per configuration the signed error (predicted -
+measured) / measured; over the grid the median and p90 of |error|, Spearman's rho between predicted and measured
+capacities, and whether the grid's measured best is within the model's top 3. Issue 26's goal per engine: median
+<= 10%, p90 <= 20%, rho >= 0.9, best within the top 3.
+
+Every figure is labelled predicted or measured. The machine is shared: each measured capacity is one run under
+whatever the neighbours did then (the bench's own host and canary lines say how much), and a profile taken minutes
+earlier may be off by the host's drift. Measured capacities are kept in --measured-cache (JSON, keyed by the
+configuration and the flags) so a rerun re-scores without measuring again (--remeasure to measure anyway).
+
+Usage: .venv/bin/python benchmarks/bench_predict_accuracy.py [--quants Q8_0,Q4_0] [--caps 1,4] [--kv-types auto]
+       [--threads 1] [--slo "e2e:p50<20s"] [--probe-requests 8:12] [--max-probes 3] [--capacity-timeout 5m]
+       [--input-len 64:128] [--output-len 16:32] [--measured-cache FILE] [--remeasure] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL = "smollm2-135m"
+GOALS = {"median_abs": 0.10, "p90_abs": 0.20, "spearman_rho": 0.9}  # issue 26, per engine
+
+
+def tuner_json(*args: str) -> tuple[dict[str, Any] | None, float, str]:
+    """A tuner command's --json (None when it failed), its wall time, and why it failed."""
+    from bench_predict import tuner_json as tuner_json_or_exit  # benchmarks/: this script's own folder
+
+    t = time.perf_counter()
+    try:
+        data, wall = tuner_json_or_exit(*args)
+    except SystemExit as e:
+        return None, time.perf_counter() - t, str(e)
+    return data, wall, ""
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default) of a non-empty list."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
+
+
+def score(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The grid's figures over the configurations with both a prediction and a measured capacity."""
+    from scipy.stats import spearmanr
+
+    both = [r for r in rows if r.get("predicted_rps") is not None and r.get("measured_rps") is not None]
+    errs = [abs(r["signed_error"]) for r in both if r.get("signed_error") is not None]
+    out: dict[str, Any] = {"n": len(both), "n_with_error": len(errs),
+                           "median_abs": statistics.median(errs) if errs else None,
+                           "p90_abs": quantile(errs, 0.9) if errs else None, "spearman_rho": None,
+                           "best_in_top3": None}
+    if len(both) >= 3:
+        rho = spearmanr([r["predicted_rps"] for r in both], [r["measured_rps"] for r in both]).statistic
+        out["spearman_rho"] = None if rho != rho else float(rho)  # NaN: a constant side
+    if both:
+        best = max(both, key=lambda r: r["measured_rps"])
+        top3 = sorted(both, key=lambda r: -r["predicted_rps"])[:3]
+        out["best_in_top3"] = best in top3
+        out["measured_best"] = best["name"]
+        out["predicted_top3"] = [r["name"] for r in top3]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quants", default="Q8_0,Q4_0")
+    ap.add_argument("--caps", default="1,4", help="-np values (default 1,4)")
+    ap.add_argument("--kv-types", default="auto")
+    ap.add_argument("--threads", type=int, default=1, help="llama-server -t (default 1: 2 shared cores)")
+    ap.add_argument("--slo", default="e2e:p50<20s")
+    ap.add_argument("--probe-requests", default="8:12")
+    ap.add_argument("--max-probes", default="3")
+    ap.add_argument("--capacity-timeout", default="5m")
+    ap.add_argument("--input-len", default="64:128")
+    ap.add_argument("--output-len", default="16:32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--measured-cache", default="results/bench_predict_accuracy_measured.json")
+    ap.add_argument("--remeasure", action="store_true", help="measure again what the cache holds")
+    ap.add_argument("--no-measure", action="store_true", help="predict only; score what the cache holds")
+    ap.add_argument("--json", help="write every figure as JSON")
+    args = ap.parse_args()
+    cache_path = Path(args.measured_cache)
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    capacity = ["--slo", args.slo, "--probe-requests", args.probe_requests, "--max-probes", args.max_probes,
+                "--capacity-timeout", args.capacity_timeout]
+    work = ["--input-len", args.input_len, "--output-len", args.output_len, "--seed", str(args.seed)]
+    rows = []
+    t0 = time.perf_counter()
+    for quant in args.quants.split(","):
+        for kv in args.kv_types.split(","):
+            for cap in sorted((int(c) for c in args.caps.split(",")), reverse=True):  # the profile at the widest
+                name = f"{quant} -np {cap} kv {kv}"
+                config = ["--model", MODEL, "--engine", "llamacpp", "--quant", quant, "--batch-cap", str(cap),
+                          "--kv-type", kv, "--threads", str(args.threads)]
+                key = " ".join(config + work + capacity)
+                pred, pred_s, err = tuner_json("predict", *config, *work, *capacity)
+                row: dict[str, Any] = {"name": name, "quant": quant, "batch_cap": cap, "kv_type": kv,
+                                       "predict_command_s": pred_s}
+                if pred is None:
+                    row["predict_error"] = err
+                else:
+                    row.update(predicted_rps=pred["capacity"]["requests_per_s"],
+                               predicted_band=pred["capacity"]["band"], predicted_verdict=pred["capacity"]["verdict"],
+                               predicted_extrapolated=pred["capacity"].get("extrapolated"),
+                               profile=pred["profile"], profile_cached=pred.get("profile_cached"))
+                measured = None if args.remeasure else cache.get(key)
+                if measured is None and not args.no_measure:
+                    bench, wall, err = tuner_json("bench", *config, *work, "--capacity", *capacity, "--no-bandwidth",
+                                                  "--quiet")
+                    if bench is not None:
+                        c = bench["metrics"]["capacity"]
+                        measured = {"requests_per_s": c["requests_per_s"], "ci": c["requests_per_s_ci"],
+                                    "verdict": c["verdict"], "wall_s": wall, "notes": c.get("notes") or [],
+                                    "probes": [(p["rate_rps"], p["n"], p["verdict"]) for p in c["probes"]]}
+                        cache[key] = measured
+                        cache_path.parent.mkdir(parents=True, exist_ok=True)
+                        cache_path.write_text(json.dumps(cache, indent=1))
+                    else:
+                        row["measure_error"] = err
+                if measured is not None:
+                    m = measured["requests_per_s"]
+                    row.update(measured_rps=m, measured_ci=measured["ci"], measured_verdict=measured["verdict"],
+                               measured_wall_s=measured["wall_s"])
+                    if row.get("predicted_rps") is not None:
+                        row["signed_error"] = (row["predicted_rps"] - m) / m if m else None
+                        band = row["predicted_band"]
+                        row["within_band"] = band[0] is not None and band[0] <= m <= band[1]
+                rows.append(row)
+                pr = row.get("predicted_rps")
+                print(f"{name}: predicted {'-' if pr is None else f'{pr:.3f}'} req/s "
+                      f"{[round(x, 3) for x in row.get('predicted_band') or []]}"
+                      + (" (extrapolated)" if row.get("predicted_extrapolated") else "")
+                      + (f"; measured {row['measured_rps']:.3f} req/s {[round(x, 3) for x in row['measured_ci']]} "
+                         f"({row['measured_verdict']}, {row['measured_wall_s']:.0f} s)" if "measured_rps" in row
+                         else f"; not measured{': ' + row['measure_error'] if row.get('measure_error') else ''}")
+                      + (f"; error {row['signed_error']:+.0%}" if row.get("signed_error") is not None else "")
+                      + (f"; predict failed: {row['predict_error']}" if row.get("predict_error") else ""),
+                      flush=True)
+    s = score(rows)
+    fmt = {k: ("-" if s.get(k) is None else f"{s[k]:.0%}" if k != "spearman_rho" else f"{s[k]:.2f}")
+           for k in GOALS}
+    print(f"grid of {len(rows)} ({s['n']} predicted and measured), SLO {args.slo}, {time.perf_counter() - t0:.0f} s: "
+          f"|predicted - measured| / measured median {fmt['median_abs']} (goal <= 10%), p90 {fmt['p90_abs']} "
+          f"(goal <= 20%); Spearman rho {fmt['spearman_rho']} (goal >= 0.9); the measured best "
+          f"({s.get('measured_best', '-')}) within the predicted top 3: {s['best_in_top3']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "score": s, "args": vars(args)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
