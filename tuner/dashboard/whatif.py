@@ -172,7 +172,7 @@ def what_if(record: Mapping[str, Any], attrs: Mapping[str, Any], views: Sequence
         m = measured_trial(e["config"], views)
         m_cap = (m.row.trial_capacity if m is not None and m.row.trial_capacity is not None else
                  m.capacity if m is not None else None) or {}
-        rows.append({"config": config_text(e["config"]), "quant": e["config"].get("quant"),
+        rows.append({"rank": 0, "config": config_text(e["config"]), "quant": e["config"].get("quant"),
                      "batch_cap": config.batch_cap, "predicted_rps": rps,
                      "calibrated_rps": rps * ratio if rps is not None else None,
                      "study_predicted_rps": e.get("predicted_requests_per_s"),
