@@ -117,7 +117,8 @@ def test_quality_and_search_through_a_running_vllm(vllm_server, tmp_path):
     transformers model of the same weights on the same items (paired), with a top-K KLD; then `tuner search
     --endpoint` ends with a recommendation of engine endpoint. The key is nowhere in the results."""
     out = tmp_path / "q.json"
-    env = {"TUNER_API_KEY": KEY, "TUNER_RESULTS": str(tmp_path / "results")}
+    results = tmp_path / "results"
+    env = {"TUNER_API_KEY": KEY, "TUNER_RESULTS": str(results)}
     proc = run_tuner("eval", "--endpoint", vllm_server, "--model", MODEL, "--tasks", "arc_easy", "--limit", "30",
                      "--json", str(out), "--max-quality-drop", "10", env=env, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -129,13 +130,20 @@ def test_quality_and_search_through_a_running_vllm(vllm_server, tmp_path):
     agree = sum(items[k] == base[k] for k in items) / len(items)
     assert agree >= 0.85 and abs(q["drop_pp"]) <= 2 * 100 * q["score_stderr"]  # bf16 vs fp32, same weights
     assert 0 <= q["kld_mean"] < 0.1 and q["top1_agree"] > 0.8 and q["gate"]["verdict"] in ("within", "indeterminate")
+    # the search scores its trial on the eval's 30 items in the eval's results: the fp32 baseline and the KLD
+    # reference are the cache's (scored above), the endpoint is scored anew (a URL's scores are never cached); 30
+    # paired items decide a 30 pp budget at once (at 8 they did not: 8 -> 16 -> 32, three baselines, ~70 s)
+    cached = sorted(p.name for p in (results / "quality").rglob("*"))
     proc = run_tuner("search", "--endpoint", vllm_server, "--model", MODEL, "--latency-target", "60s",
-                     "--latency-metric", "e2e:p50", "--trials", "1", "--results-dir", str(tmp_path / "s"),
+                     "--latency-metric", "e2e:p50", "--trials", "1", "--results-dir", str(results),
                      "--study", "ep", "--quiet", "--probe-requests", "8:12", "--max-probes", "2",
                      "--saturation-requests", "8", "--requests", "24", "--quality-tasks", "arc_easy",
-                     "--quality-limit", "8", "--max-quality-drop", "30", "--confirm", "0", env=env, timeout=1800)
+                     "--quality-limit", "30", "--max-quality-drop", "30", "--confirm", "0", env=env, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rec = json.loads((tmp_path / "s" / "ep" / "recommendation.json").read_text())["recommendation"]
+    trial_quality = json.loads((results / "ep" / "trials" / "0000" / "quality.json").read_text())
+    assert trial_quality["gate"]["verdict"] == "within" and set(trial_quality["items"]["arc_easy"]) == set(items)
+    assert sorted(p.name for p in (results / "quality").rglob("*")) == cached  # nothing scored again but the URL
+    rec = json.loads((results / "ep" / "recommendation.json").read_text())["recommendation"]
     assert rec["config"]["engine"] == "endpoint" and rec["config"]["endpoint"] == vllm_server
     assert "RECOMMENDED: trial 0" in proc.stdout
     no_key_in(tmp_path)
