@@ -85,10 +85,11 @@ def off_band_text(m: dict[str, Any]) -> str | None:
     pr, band, got = m.get("predicted_requests_per_s"), m.get("predicted_band"), m.get("requests_per_s")
     if pr is None or not band or band[0] is None or band[1] is None or got is None or band[0] <= got <= band[1]:
         return None
-    err = f"{m['signed_error']:+.0%}" if m.get("signed_error") is not None else "beyond measure (measured 0)"
-    return (f"trial {m['trial']}: the model was off by {err}, outside its band (predicted {pr:.3g} req/s, band "
-            f"[{band[0]:.3g}, {band[1]:.3g}]; measured {got:.3g} req/s): recorded in the profile's calibration "
-            "history, so later predictions from it carry a band widened to this ratio")
+    head = (f"the model was off by {m['signed_error']:+.0%}" if m.get("signed_error") is not None else
+            "the model was off: no rate was shown to meet the SLO on the real engine")
+    return (f"trial {m['trial']}: {head}, outside its band (predicted {pr:.3g} req/s, band [{band[0]:.3g}, "
+            f"{band[1]:.3g}]; measured {got:.3g} req/s): recorded in the profile's calibration history"
+            + (", so later predictions from it carry a band widened to this ratio" if got else ""))
 
 
 def closest_text(slo: Any, measured: list[tuple[int, dict[str, Any], dict[str, Any]]]) -> str | None:
