@@ -337,7 +337,7 @@ def whatif_cache(study: str) -> dict[Any, Any]:
 
 
 def whatif_section(record: dict[str, Any], views: list[TrialView], info: StudyInfo) -> None:
-    from tuner.cli.predict import capacity_pool  # the prompts `tuner bench --capacity` sends for a workload
+    from tuner.measure.bench import bench_prompts  # the prompts `tuner bench --capacity` sends for a workload
 
     st.markdown("#### What-if (predicted: nothing is measured)")
     base = whatif.study_scenario(info.attrs)
@@ -354,7 +354,7 @@ def whatif_section(record: dict[str, Any], views: list[TrialView], info: StudyIn
                    "arrivals or a target rate and predict their capacities again from the study's engine profiles")
         return
     def pool(config: Any, spec: Any, options: Any) -> list[Any]:  # the model's tokenizer, loaded when first needed
-        return capacity_pool(config, spec, options, tokenizer(str(info.model)))
+        return bench_prompts(config, spec, tokenizer(str(info.model)), options)[0]
 
     try:
         scenario = whatif.parse_scenario(slo, lens_in, lens_out, arrival, rate)

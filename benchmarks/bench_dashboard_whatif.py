@@ -6,7 +6,7 @@ PredictStrategy enumerates a llama.cpp space and predicts every configuration fr
 profiles (`tuner profile`; a format without a cached profile covering its batch caps is measured, so run this where
 the formats below are profiled: tests/test_predict_llamacpp.py or `tuner profile --model smollm2-135m --engine
 llamacpp --quant Q8_0 --batch-cap 4 --threads 1` and the same with Q4_1), and stores the predictions in an Optuna
-study in memory. Then the what-if runs with the real capacity pool (tuner.cli.predict.capacity_pool, the model's
+study in memory. Then the what-if runs with the real capacity pool (tuner.measure.bench.bench_prompts, the model's
 tokenizer), `--repeats` times per scenario; the tokenizer load is left out (the page loads it once).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_dashboard_whatif.py [--caps 1,2,3,4] [--repeats 3]
@@ -44,10 +44,10 @@ def main() -> int:
 
     import optuna
 
-    from tuner.cli.predict import capacity_pool
     from tuner.dashboard.predicted import prediction_record
     from tuner.dashboard.study import trial_views
     from tuner.dashboard.whatif import Scenario, study_scenario, what_if
+    from tuner.measure.bench import bench_prompts
     from tuner.measure.workload import WorkloadSpec
     from tuner.models import checkpoint_dir
     from tuner.predict.strategy import PredictStrategy
@@ -66,7 +66,7 @@ def main() -> int:
                         max_quality_drop=1.0, workload=WorkloadSpec(requests=24, input_len=(32, 64),
                                                                     output_len=(8, 12)),
                         quality_tasks=("arc_easy",), quality_limit=20, score_quality=False, saturation_requests=8)
-    strategy = PredictStrategy(lambda c, o: capacity_pool(c, ctx.workload, o, tokenizer))
+    strategy = PredictStrategy(lambda c, o: bench_prompts(c, ctx.workload, tokenizer, o)[0])
     t = time.perf_counter()
     strategy.prepare(ctx, time_left_s=0.0)  # cached profiles only: a format without one is left out, not measured
     prepare_s = time.perf_counter() - t
@@ -82,7 +82,7 @@ def main() -> int:
     views = trial_views(study.get_trials(deepcopy=False), study.user_attrs)
 
     def pool_for(config, spec, options):
-        return capacity_pool(config, spec, options, tokenizer)
+        return bench_prompts(config, spec, tokenizer, options)[0]
 
     base = study_scenario(study.user_attrs)
     scenarios = {"the study's own": base,

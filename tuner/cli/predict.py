@@ -74,26 +74,16 @@ def check_args(args: argparse.Namespace, config: Any) -> None:
 
 def capacity_pool(config: Any, spec: Any, options: Any, tokenizer: Any) -> list[Any]:
     """The prompts `tuner bench --capacity` builds for this workload (same seed, same prompts, same order)."""
-    from tuner.measure.workload import build_workload
+    from tuner.measure.bench import bench_prompts
 
-    warm_n = max(2, config.batch_cap)
-    cap_spec = replace(spec, requests=max(spec.requests, options.pool_size(config.batch_cap, measurements=2)))
-    if spec.trace:
-        return build_workload(cap_spec, tokenizer)
-    return build_workload(replace(cap_spec, requests=cap_spec.requests + warm_n), tokenizer)[:cap_spec.requests]
+    return bench_prompts(config, spec, tokenizer, options)[0]
 
 
 def bench_requests(config: Any, spec: Any, tokenizer: Any, rate: float) -> tuple[list[Any], list[Any]]:
     """The requests and warm-up `tuner bench --rate R` sends for this workload."""
-    from tuner.measure.workload import build_workload
+    from tuner.measure.bench import bench_prompts
 
-    warm_n = max(2, config.batch_cap)
-    rate_spec = replace(spec, rate=rate, concurrency=None)
-    if spec.trace:
-        reqs = build_workload(rate_spec, tokenizer)
-        return reqs, reqs[:warm_n]
-    both = build_workload(replace(rate_spec, requests=spec.requests + warm_n), tokenizer)
-    return both[:spec.requests], both[spec.requests:]
+    return bench_prompts(config, replace(spec, rate=rate, concurrency=None), tokenizer)
 
 
 def run(args: argparse.Namespace) -> int:

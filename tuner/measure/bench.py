@@ -185,6 +185,22 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
+def bench_prompts(config: TrialConfig, spec: WorkloadSpec, tokenizer: Any, capacity: Any = None
+                  ) -> tuple[list[Any], list[Any]]:
+    """The requests and the warm-up a bench sends for `spec` (the one home: `tuner predict` and the dashboard's
+    what-if simulate the same prompts). Warm-up requests are drawn from the workload after the measured ones (a
+    trace's first ones). `capacity` (CapacityOptions): one fresh prompt per request the capacity search may send,
+    re-timed by it."""
+    warm_n = max(2, config.batch_cap)
+    if capacity is not None:
+        spec = replace(spec, requests=max(spec.requests, capacity.pool_size(config.batch_cap, measurements=2)))
+    if spec.trace:
+        requests = build_workload(spec, tokenizer)
+        return requests, requests[:warm_n]
+    pool = build_workload(replace(spec, requests=spec.requests + warm_n), tokenizer)
+    return pool[: spec.requests], pool[spec.requests:]
+
+
 def check_draft_outputs(engine: Any, model: Any, requests: list[Any], token_ids: list[list[int]], n: int) -> dict:
     """Re-generate the first n requests greedily WITHOUT the draft and compare token ids with what was served."""
     import torch
@@ -235,16 +251,7 @@ def run_bench(
         out.update(status="failed", reason=f"loading {config.quant} failed: {one_line(e)}")
         return out
     out["load_s"] = time.perf_counter() - t
-    spec = options.workload
-    warm_n = max(2, config.batch_cap)  # warm-up requests, drawn from the workload after the measured ones
-    if options.capacity is not None:  # one fresh prompt per request the capacity search may send, re-timed by it
-        spec = replace(spec, requests=max(spec.requests, options.capacity.pool_size(config.batch_cap, measurements=2)))
-    if spec.trace:
-        requests = build_workload(spec, tokenizer)
-        warmup = requests[:warm_n]
-    else:
-        pool = build_workload(replace(spec, requests=spec.requests + warm_n), tokenizer)
-        requests, warmup = pool[: spec.requests], pool[spec.requests:]
+    requests, warmup = bench_prompts(config, options.workload, tokenizer, options.capacity)
     caps = engine.capabilities()
     out["engine"] = {"name": caps.name, "settings": caps.settings, "notes": list(caps.notes),
                      "versions": out["environment"]["versions"], "device": device}
