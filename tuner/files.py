@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import IO, Any
 
 
-def write_atomic(path: Path, write: Callable[[IO[str]], None]) -> None:
-    """`write(f)` into a temp file in the same folder, then fsync + rename (0644). Creates the folder if needed;
-    an exception (Ctrl-C included) leaves neither the file nor the temp file."""
+def write_atomic(path: Path, write: Callable[[IO[Any]], None], binary: bool = False) -> None:
+    """`write(f)` into a temp file in the same folder (opened "wb" when `binary`), then fsync + rename (0644).
+    Creates the folder if needed; an exception (Ctrl-C included) leaves neither the file nor the temp file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if binary else "w") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

@@ -20,8 +20,6 @@ seconds before any lm-eval task runs, and a later full score reuses the number.
 from __future__ import annotations
 
 import gc
-import os
-import tempfile
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -162,20 +160,17 @@ def kld_stats(kld: np.ndarray, agree: np.ndarray) -> KLDResult:
 
 
 def save_reference(ref: Reference, path: Path) -> None:
-    """Write an .npz (deflate level 1: ~40% of 2 bytes per vocabulary entry and token) atomically (temp file +
-    os.replace): an interrupted write leaves no file at `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+    """Write an .npz (deflate level 1: ~40% of 2 bytes per vocabulary entry and token) atomically
+    (tuner.files.write_atomic): an interrupted write leaves no file at `path`."""
+    from tuner.files import write_atomic
+
+    def write(f: Any) -> None:
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
             for name, arr in (("ids", ref.ids), ("codes", ref.codes), ("top1", ref.top1)):
                 with zf.open(f"{name}.npy", "w", force_zip64=True) as member:
                     np.lib.format.write_array(member, np.ascontiguousarray(arr), allow_pickle=False)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; cache files are plain results
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    write_atomic(path, write, binary=True)
 
 
 def load_reference(path: Path, chunks: np.ndarray, n_tokens: int) -> Reference | None:
