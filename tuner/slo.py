@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tuner.errors import TunerError
+from tuner.stats import DEFAULT_CONFIDENCE
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
 STATS = ("p50", "p90", "p95", "p99", "mean")
@@ -131,7 +132,7 @@ class SLO:
     bounds: tuple[Bound, ...] = ()
     targets_ms: tuple[tuple[str, float], ...] = ()  # (("ttft_ms", 300.0), ...)
     attainment: float | None = None
-    confidence: float = 0.95
+    confidence: float = DEFAULT_CONFIDENCE
 
     def __post_init__(self) -> None:
         if not self.bounds and not self.targets_ms:
@@ -162,11 +163,11 @@ class SLO:
     def from_dict(cls, d: dict[str, Any]) -> SLO:
         bounds = tuple(parse_slo(";".join(d.get("bounds") or []))) if d.get("bounds") else ()
         return cls(bounds, tuple((d.get("targets_ms") or {}).items()), d.get("attainment"),
-                   float(d.get("confidence", 0.95)))
+                   float(d.get("confidence", DEFAULT_CONFIDENCE)))
 
 
 def build_slo(latency_target: str | None, latency_metric: str, slo: str | None, attainment: float | None = None,
-              confidence: float = 0.95) -> tuple[Bound | None, SLO]:
+              confidence: float = DEFAULT_CONFIDENCE) -> tuple[Bound | None, SLO]:
     """The primary bound (latency target on the latency metric; None when the SLO has only per-request targets)
     and the whole SLO."""
     metric, stat = parse_metric(latency_metric)

@@ -13,6 +13,7 @@ TARGET_NAMES = ("vllm", "sglang", "tgi", "llamacpp", "transformers")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from tuner.export.common import DEFAULT_GPU_GIB
     from tuner.search.storage import DEFAULT_STORAGE
 
     p = subparsers.add_parser(
@@ -35,8 +36,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("text", "json"), default="text", help="text (default) or the export JSON")
     p.add_argument("--model-path", metavar="PATH",
                    help="model reference to emit instead of the default (a checkpoint dir, repo id or .gguf)")
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0, metavar="GIB",
-                   help="target GPU memory for the KV-fraction formula (default: 80)")
+    p.add_argument("--gpu-memory-gib", type=float, default=DEFAULT_GPU_GIB, metavar="GIB",
+                   help=f"target GPU memory for the KV-fraction formula (default: {DEFAULT_GPU_GIB:g})")
     p.add_argument("--k8s", action="store_true",
                    help="with --to vllm|llamacpp: Kubernetes manifests instead (k8s.yaml: Deployment + Service; "
                         "vLLM also production-stack-values.yaml for the vllm-stack Helm chart)")

@@ -26,6 +26,8 @@ from tuner.errors import TunerError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from tuner.predict.estimate import REPLICATES, SPEED_DRIFT  # light: no numpy, no scipy
+
     p = sub.add_parser("predict", help="predict a configuration's capacity from its engine profile (no measuring)",
                        description="Predict what `tuner bench --capacity` would measure: the real capacity search "
                                    "(same bracket and verdict rules) run on a simulated engine whose step times come "
@@ -40,11 +42,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--at-share", type=float, action="append", default=[], metavar="S",
                    help="the same at S x the predicted capacity (x the saturation rate when no rate meets); "
                         "repeatable")
-    g.add_argument("--replicates", type=int, default=4,
-                   help="simulations with resampled fit parameters for the band (default 4)")
+    g.add_argument("--replicates", type=int, default=REPLICATES,
+                   help=f"simulations with resampled fit parameters for the band (default {REPLICATES})")
     g.add_argument("--speed-drift", type=float, default=None, metavar="U",
                    help="the band also carries the engine running U slower or faster than its profile "
-                        "(default 0.2: every step x 1.2 and / 1.2; 0: the fit's uncertainty only)")
+                        f"(default {SPEED_DRIFT:g}: every step x {1 + SPEED_DRIFT:g} and / {1 + SPEED_DRIFT:g}; "
+                        "0: the fit's uncertainty only)")
     g.add_argument("--refresh-profile", action="store_true", help="measure the engine profile again")
     g.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
     g.add_argument("--measured", metavar="BENCH_JSON",

@@ -77,6 +77,9 @@ from tuner.stats import (
     proportion_bounds,
 )
 
+DEFAULT_PROBE_REQUESTS = (30, 120)  # the least first pass and cap of a probe sized by its percentile
+DEFAULT_TIMEOUT_S = 600.0  # one capacity measurement's budget (`--capacity-timeout`)
+
 
 @dataclass(frozen=True)
 class CapacityOptions:
@@ -84,13 +87,13 @@ class CapacityOptions:
     file's `capacity:` section read their defaults from here)."""
 
     slo: SLO
-    probe_requests: tuple[int, int] = (30, 120)  # DEFAULT_PROBE_REQUESTS; a probe's first pass (at least what its percentile needs), and
+    probe_requests: tuple[int, int] = DEFAULT_PROBE_REQUESTS  # a probe's first pass (at least what its percentile needs), and
     # its cap after one more pass at an undecided rate
     max_probes: int = 5  # open-loop probes (the saturation probe not counted); the lower bound's alpha is spent
     # over all of them
     max_requests: int = 600  # the rate probes together, lead-ins included (the warm-up and saturation, sized by the
     # batch cap, come on top: a server with 128 slots needs its 128-request warm-up and a saturation beyond 128)
-    max_wall_s: float = 600.0  # DEFAULT_TIMEOUT_S; no new probe starts past this (a started probe may run to its own time limit)
+    max_wall_s: float = DEFAULT_TIMEOUT_S  # no new probe starts past this (a started probe may run to its own time limit)
     tolerance: float = 0.1  # stop when (high - low) <= tolerance * high
     ramp_fraction: float = 0.1  # a probe's lead-in is at least this share of its measured requests
     arrival: str = "poisson"
@@ -810,8 +813,6 @@ def describe_conditions(result: dict[str, Any]) -> str:
                      + ([f"host {busy:.0%} busy at most"] if busy is not None else []))
 
 
-DEFAULT_PROBE_REQUESTS = (30, 120)  # the least first pass and cap of a probe sized by its percentile
-DEFAULT_TIMEOUT_S = 600.0  # one capacity measurement's budget (`--capacity-timeout`)
 FIRST_PROBE = 0.75  # the first rate probed, as a share of the saturation rate
 UNDECIDED_STEP = 0.7  # below a rate not shown to meet nor to miss (nothing shown to meet yet), the next rate's share
 LOOKS_PER_PROBE = 2  # a probe's first pass, and one more pass while undecided

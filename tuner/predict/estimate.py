@@ -33,6 +33,7 @@ from tuner.predict.simulate import SimulatedEngine, StepModel
 LLAMACPP_BATCH_TOKENS = 2048  # llama-server's default -b: decodes and prompt tokens per step at most
 CURVE_SHARES = (0.25, 0.5, 0.75, 0.9, 1.0)  # curve rates, as shares of the predicted saturation rate
 CURVE_REQUESTS = 120
+REPLICATES = 4  # simulations with resampled fit parameters behind a band
 SPEED_DRIFT = 0.2  # the band's engine speed: every step x 1.2 and / 1.2 (see the module docstring)
 HOST_NOTE = "the host was busy"  # CapacitySearch's note on the real host's CPU load: meaningless in virtual time
 
@@ -117,7 +118,7 @@ def extrapolation(profile: dict[str, Any], batch_cap: int, pool: Sequence[Reques
 
 
 def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], options: CapacityOptions,
-            replicates: int = 4, seed: int = 0, rates: Sequence[float] = (), shares: Sequence[float] = (),
+            replicates: int = REPLICATES, seed: int = 0, rates: Sequence[float] = (), shares: Sequence[float] = (),
             requests_at: Callable[[float], tuple[Sequence[Request], Sequence[Request]]] | None = None,
             speed_drift: float = SPEED_DRIFT, history: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """The predicted capacity of `config` under `options` on the capacity pool `pool`, its band, a latency-load

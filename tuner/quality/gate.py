@@ -42,8 +42,8 @@ from tuner.engines.registry import backend
 from tuner.errors import TunerError
 from tuner.quality.common import BASELINE, DEFAULT_LIMIT, DEFAULT_SEED, QualityResult
 from tuner.quality.template import score_through_cache
+from tuner.stats import DEFAULT_CONFIDENCE  # one home for every verdict's default confidence
 
-DEFAULT_CONFIDENCE = 0.95
 WITHIN, EXCEEDS, INDETERMINATE = "within", "exceeds", "indeterminate"
 N_BOOT = 4000  # bootstrap resamples (fixed seed below: the same items give the same bounds)
 BOOT_SEED = 0
