@@ -114,7 +114,7 @@ def test_impossible_target_says_so(tmp_path):
     (["--latency-target", "300ms", "--max-quality-drop", "-1"], "--max-quality-drop -1.0"),
     (["--latency-target", "300ms", "--trials", "0"], "--trials 0"),
     (["--latency-target", "300ms", "--timeout", "20"], "--timeout '20'"),
-    (["--latency-target", "300ms", "--storage", "nosuch://x"], "unreachable"),
+    (["--latency-target", "300ms", "--storage", "nosuch://x"], "storage 'nosuch://x' is unusable"),
     (["--latency-target", "300ms", "--storage", "sqlite:////nonexistent/dir/x.db"], "does not exist"),
     (["--latency-target", "300ms", "--storage", "not a url"], "storage 'not a url' is invalid"),
     (["--latency-target", "300ms", "--study", "bad name!"], "study name 'bad name!'"),

@@ -87,12 +87,16 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
 
 def watch_descendants(stop, interval_s: float = 0.2) -> None:
-    """Until `stop` (a threading.Event) is set: record every descendant of this process that is an engine, a browser
-    or a database, whoever started it (a shell script's llama-server is not seen by the audit hook)."""
+    """Until `stop` (a threading.Event) is set: record every new descendant of this process that is an engine, a
+    browser or a database, whoever started it (a shell script's llama-server is not seen by the audit hook); those
+    running when the watch starts were started before the test."""
     import psutil
 
-    seen: set[int] = set()
     me = psutil.Process()
+    try:  # what runs already was started before this test (a session's browser driver): not this test's
+        seen: set[int] = {c.pid for c in me.children(recursive=True)}
+    except psutil.Error:
+        seen = set()
     while not stop.wait(interval_s):
         try:
             children = me.children(recursive=True)
