@@ -23,6 +23,7 @@ from tuner.dashboard.predicted import measured_trial, prediction_rows
 from tuner.dashboard.study import TrialView
 from tuner.dashboard.views import config_text
 from tuner.errors import TunerError
+from tuner.search.answer import replicas
 
 
 @dataclass(frozen=True)
@@ -189,10 +190,3 @@ def what_if(record: Mapping[str, Any], attrs: Mapping[str, Any], views: Sequence
                                f"profile cache ({profiles_dir()})")
     out.update(rows=rows, seconds=time.perf_counter() - t0, simulations=len(got), same_as_study=same)
     return out
-
-
-def replicas(target_rps: float | None, capacity_rps: float | None) -> int | None:
-    """Replicas of a configuration that serve `target_rps` within the SLO (None without a target or a capacity)."""
-    if target_rps is None or not capacity_rps or capacity_rps <= 0:
-        return None
-    return math.ceil(target_rps / capacity_rps - 1e-9)

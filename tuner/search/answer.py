@@ -161,7 +161,7 @@ def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, c
         if target_rate:
             lo = best.rps
             rec["target_rate_rps"] = target_rate
-            rec["replicas"] = math.ceil(target_rate / lo) if lo > 0 else None
+            rec["replicas"] = replicas(target_rate, lo)
         rec["indistinguishable_from"] = [r.number for r in feasible[1:] if r.rps_ci[1] >= best.rps_ci[0]
                                          and r.rps_ci[0] <= best.rps_ci[1] and r.rps_ci[1] > best.rps]
         rec["machine_drift"] = {r.number: d for r in (best, base) if r is not None
@@ -188,6 +188,14 @@ def answer(rows: list[Row], names: list[str], baseline_number: int | None = 0, c
             out["closest"] = summary(closest)
             out["closest"]["misses"] = {n: c for n, c in zip(names, closest.constraints or []) if c > 0}
     return out
+
+
+def replicas(target_rps: float | None, capacity_rps: float | None) -> int | None:
+    """Replicas of a configuration that serve `target_rps` within the SLO (None without a target or a capacity);
+    a capacity within float noise of an exact share of the target does not add a replica."""
+    if target_rps is None or not capacity_rps or capacity_rps <= 0:
+        return None
+    return math.ceil(target_rps / capacity_rps - 1e-9)
 
 
 def gain_over(best: Row, base: Row | None) -> dict[str, Any]:
