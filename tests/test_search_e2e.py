@@ -147,7 +147,8 @@ def test_llamacpp_search_recommends_the_exact_server_command(tmp_path):
 
     space = str(REPO / "tests" / "data" / "tiny_llamacpp_space.yaml")
     proc = run_tuner("search", "--model", "smollm2-135m", "--engine", "llamacpp", "--space", space,
-                     "--results-dir", str(tmp_path), "--study", "tinyllama", "--seed", "0", "--quiet",
+                     "--strategy", "measure", "--results-dir", str(tmp_path), "--study", "tinyllama", "--seed", "0",
+                     "--quiet",
                      "--probe-requests", "8:12", "--max-probes", "2", "--latency-target", "60s",
                      "--latency-metric", "e2e:p50", "--trials", "3", "--max-quality-drop", "30", "--confirm", "0",
                      timeout=1800)
