@@ -626,7 +626,7 @@ def searched(tmp_path_factory):
     proc = run_tuner("search", "--model", "smollm2-135m", "--space", SPACE, "--latency-target", "60s",
                      "--latency-metric", "e2e:p50", "--probe-requests", "8:12", "--max-probes", "2",
                      "--trials", "3", "--no-quality", "--results-dir", str(d), "--study", "tiny", "--seed", "0",
-                     "--quiet", "--confirm", "0", timeout=1500)
+                     "--quiet", "--confirm", "0", "--strategy", "measure", timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return f"sqlite:///{d / 'tuner.db'}", "tiny"
 

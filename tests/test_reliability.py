@@ -76,7 +76,7 @@ def search_argv(tmp: Path, *extra: str, space: str = SPACE, model: str = "smollm
     # p50: the spaces' few requests per probe can show it met (a p99 would need 299 requests per probe)
     return tuner_argv("search", "--model", model, "--space", space, "--latency-target", "60s", "--latency-metric",
                       "ttft:p50", "--no-quality", "--trials", str(trials), "--results-dir", str(tmp / "res"),
-                      "--study", "rel", "--seed", "0", "--quiet", "--confirm", "0", *extra)
+                      "--study", "rel", "--seed", "0", "--quiet", "--confirm", "0", "--strategy", "measure", *extra)
 
 
 def search_env(tmp: Path, **extra: str) -> dict:

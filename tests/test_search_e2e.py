@@ -15,7 +15,7 @@ SPACE = str(REPO / "tests" / "data" / "tiny_space.yaml")
 
 def search(tmp_path, *extra):
     return run_tuner("search", "--model", "smollm2-135m", "--space", SPACE, "--results-dir", str(tmp_path),
-                     "--study", "tiny", "--seed", "0", "--quiet", "--cost-per-hour", "2.5",
+                     "--study", "tiny", "--seed", "0", "--quiet", "--cost-per-hour", "2.5", "--strategy", "measure",
                      "--probe-requests", "8:12", "--max-probes", "2", *extra, timeout=1800)
 
 

@@ -279,7 +279,7 @@ def real_workers(tmp_path: Path, storage: str, searches: int, joiners: int, n_tr
     common = ["--model", "smollm2-135m", "--space", SPACE, "--latency-target", "60s", "--latency-metric", "ttft:p50",
               "--trials", str(n_trials),
               "--no-quality", "--study", "shared", "--storage", storage, "--seed", "0", "--quiet",
-              "--confirm", "0"]
+              "--confirm", "0", "--strategy", "measure"]
     env = {**os.environ, "TUNER_HEARTBEAT_S": "2"}
 
     def start(cmd: str, i: int) -> subprocess.Popen:
