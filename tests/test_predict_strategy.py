@@ -255,29 +255,132 @@ def test_without_a_timeout_every_format_within_the_profile_cap_is_predicted() ->
     assert (best.config["quant"], best.config["batch_cap"]) == ("Q8_0", 4)  # the faster steps, the most slots
 
 
+class SimulatedAcrossEngines(SimulatedProfiles):
+    """Profiles on simulated engines for every (engine, weight type) of the tiny spaces: transformers' steps slower."""
+
+    def measure(self, members: list[st.Prediction], cap: int) -> dict[str, Any]:
+        from tuner.predict.simulate import StepModel
+
+        c = members[0].config
+        self.profiled.append((c["engine"], c["quant"]))
+        base = {"transformers": 0.030, "llamacpp": 0.010}[c["engine"]]
+        per_seq = {"fp32": 0.004, "bf16": 0.003, "Q4_1": 0.002, "Q8_0": 0.001}[c["quant"]]
+        return simulated_profile(StepModel(decode_base_s=base, decode_per_seq_s=per_seq, prefill_base_s=0.003,
+                                           prefill_per_token_s=1e-4, noise_sigma=0.1), cap,
+                                 f"sim-{c['engine']}-{c['quant']}")
+
+
+def test_across_engines_every_engine_is_predicted_its_default_measured_first_and_drafts_are_listed() -> None:
+    """--engine transformers,llamacpp (the tiny spaces combined): every configuration of both engines predicted
+    except those with a draft (no profile of speculative decoding), which are listed as not predicted, not measured;
+    each engine's default format is profiled even with no time left, each engine's default measured first (the
+    first engine's as the baseline), then the choosing rule with each engine's own calibration."""
+    from tuner.search.space import combine_spaces
+
+    space, _ = combine_spaces([load_space(REPO / "tests" / "data" / "tiny_space.yaml"), load_space(SPACE)])
+    grid = st.enumerate_space(space)
+    assert len(grid) == len(st.enumerate_space(space.engines[0])) + len(st.enumerate_space(space.engines[1]))
+    short = SimulatedAcrossEngines(pool)
+    short.prepare(context(space), time_left_s=0.0)
+    assert sorted(short.profiled) == [("llamacpp", "Q4_1"), ("transformers", "fp32")]  # both engine defaults
+    strategy = SimulatedAcrossEngines(pool)
+    strategy.prepare(context(space), time_left_s=None)
+    drafts = [p for p in grid if p.get("transformers.draft", "none") != "none"]
+    assert drafts and strategy.left_out == [{"why": "draft ngram:3: speculative decoding is not profiled yet",
+                                             "configurations": len(drafts)}]
+    assert len(strategy.predictions) == len(grid) - len(drafts)
+    assert {p.config["engine"] for p in strategy.predictions} == {"transformers", "llamacpp"}
+    # the real engines serve 0.6x (transformers) and 1.2x (llamacpp) of the model's figure
+    scale = {"transformers": 0.6, "llamacpp": 1.2}
+    truth = {(p.config["quant"], p.config["batch_cap"]): p.rps * scale[p.config["engine"]]
+             for p in strategy.predictions}
+    study = drive(space, strategy, truth, trials=6)
+    first, second = study.trials[0].user_attrs, study.trials[1].user_attrs
+    assert first["baseline"] and first["config"]["engine"] == "transformers" and first["config"]["quant"] == "fp32"
+    assert second["engine_default"] and (second["config"]["engine"], second["config"]["quant"]) == ("llamacpp", "Q4_1")
+    for t in study.trials[2:]:  # calibrated by its own engine's measured ratio
+        e = t.user_attrs["config"]["engine"]
+        assert t.user_attrs["predicted_calibrated_requests_per_s"] == pytest.approx(
+            t.user_attrs["predicted_requests_per_s"] * scale[e], rel=1e-6)
+    report = strategy.report(study)
+    assert report["n_not_predicted_not_measured"] == len(drafts) and report["left_out"][0]["measured"] == 0
+    assert report["strategy_why"] == "--strategy predict"
+
+
+UNPROFILED_SPACES = {"transformers": "tiny_space.yaml", "vllm": "tiny_vllm_space.yaml"}
+
+
+def unprofiled_engine() -> str:
+    """A launched engine without an engine profile (whichever the registry says has none yet)."""
+    from tuner.engines.registry import names
+
+    left = [e for e in names(profiled=False, launched=True) if e in UNPROFILED_SPACES]
+    if not left:
+        pytest.skip("every launched engine has an engine profile")
+    return left[0]
+
+
+def test_auto_predicts_when_every_engine_is_profiled_and_measures_otherwise_saying_why() -> None:
+    from tuner.cli.search import STRATEGIES, choose_strategy
+    from tuner.engines.registry import names
+    from tuner.errors import TunerError
+
+    assert STRATEGIES[0] == "auto"
+    profiled, other = names(profiled=True)[0], unprofiled_engine()
+    ran, why = choose_strategy("auto", [profiled])
+    assert ran == "predict" and why.startswith("--strategy auto: every engine of the space") and profiled in why
+    ran, why = choose_strategy("auto", [other])
+    assert ran == "measure" and f"engine {other} has no engine profile yet" in why
+    ran, why = choose_strategy("auto", [profiled, other])  # across engines: predicted only when all are profiled
+    assert ran == "measure" and f"engine {other} has" in why and f"{profiled} has" not in why
+    assert choose_strategy("measure", [profiled]) == ("measure", "--strategy measure")
+    assert choose_strategy("predict", [profiled]) == ("predict", "--strategy predict")
+    with pytest.raises(TunerError, match=f"--strategy predict with engine {profiled},{other}: predictions need"):
+        choose_strategy("predict", [profiled, other])
+
+
 def test_predict_strategy_on_another_engine_is_one_line(tmp_path) -> None:
+    engine = unprofiled_engine()
     proc = run_tuner("search", "--model", "smollm2-135m", "--strategy", "predict", "--latency-target", "1s",
-                     "--no-quality", "--space", str(REPO / "tests" / "data" / "tiny_space.yaml"),
+                     "--no-quality", "--space", str(REPO / "tests" / "data" / UNPROFILED_SPACES[engine]),
                      "--results-dir", str(tmp_path / "r"))
-    assert_one_line_error(proc, "--strategy predict with engine transformers", "expected --engine llamacpp")
+    assert_one_line_error(proc, f"--strategy predict with engine {engine}", "expected --engine llamacpp")
     assert not (tmp_path / "r").exists()
+
+
+def test_auto_on_an_engine_without_a_profile_measures_and_the_answer_says_why(tmp_path) -> None:
+    """No --strategy on an engine without a profile: the measure loop runs (its engine default enqueued by the
+    measure loop's start-up; --timeout ends it before a trial starts), the CLI says so when it starts and in the
+    answer, and recommendation.json keeps it."""
+    engine = unprofiled_engine()
+    proc = run_tuner("search", "--model", "smollm2-135m", "--latency-target", "1s", "--no-quality", "--quiet",
+                     "--space", str(REPO / "tests" / "data" / UNPROFILED_SPACES[engine]), "--timeout", "0.01s",
+                     "--results-dir", str(tmp_path), "--study", "auto")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rec = json.loads((tmp_path / "auto" / "recommendation.json").read_text())
+    assert rec["strategy"] == "measure" and "n_predicted" not in rec
+    assert rec["strategy_why"].startswith(f"--strategy auto: engine {engine} has no engine profile yet")
+    assert proc.stdout.splitlines().count(f"strategy: measure ({rec['strategy_why']})") == 2  # at the start, answer
 
 
 # ------------------------------------------------------------------------------ a real search --- #
 def test_llamacpp_predict_search_measures_fewer_than_it_predicts(tmp_path) -> None:
-    """A real `tuner search --strategy predict` on llama-server: every configuration of the space predicted from
-    this host's profiles, the engine default measured first, fewer measured than predicted, the pick a measured
-    one, each measured configuration's predicted capacity recorded beside its measured one."""
+    """A real `tuner search` on llama-server, no --strategy: auto predicts (llama.cpp has an engine profile) and says
+    so; every configuration of the space predicted from this host's profiles, the engine default measured first,
+    fewer measured than predicted, the pick a measured one, each measured configuration's predicted capacity
+    recorded beside its measured one."""
     import optuna
 
     proc = run_tuner("search", "--model", "smollm2-135m", "--engine", "llamacpp", "--space", str(SPACE),
-                     "--strategy", "predict", "--results-dir", str(tmp_path), "--study", "pred", "--seed", "0",
+                     "--results-dir", str(tmp_path), "--study", "pred", "--seed", "0",
                      "--quiet", "--probe-requests", "8:12", "--max-probes", "2", "--latency-target", "60s",
                      "--latency-metric", "e2e:p50", "--trials", "3", "--no-quality", "--confirm", "0",
                      timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rec = json.loads((tmp_path / "pred" / "recommendation.json").read_text())
     assert rec["strategy"] == "predict" and rec["n_predicted"] == 6 and 1 <= rec["n_measured"] < rec["n_predicted"]
+    assert rec["strategy_why"].startswith("--strategy auto: every engine of the space (llamacpp) has an engine profile")
+    assert f"strategy: predict ({rec['strategy_why']})" in proc.stdout.splitlines()
     study = optuna.load_study(study_name="pred", storage=f"sqlite:///{tmp_path / 'tuner.db'}")
     first = study.trials[0].user_attrs
     assert first["baseline"] and (first["config"]["quant"], first["config"]["batch_cap"]) == ("Q4_1", 1)

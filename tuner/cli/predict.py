@@ -199,7 +199,9 @@ def format_prediction(r: dict[str, Any]) -> str:
         err = "" if m["error"] is None else f", error of the prediction {m['error']:+.0%}"
         lines.append(f"MEASURED (tuner bench --capacity): {m['measured_requests_per_s']:.3f} req/s "
                      f"{_band(m['measured_ci'], 3)}, verdict {str(m['measured_verdict']).upper()}{err}: "
-                     + ("within the predicted band" if m["within_band"] else "OUTSIDE the predicted band")
+                     + ("within the predicted band" if m["within_band"] else "OUTSIDE the predicted band"
+                        if m["within_band"] is False else f"censored: no rate met, the capacity lies below "
+                        f"{m.get('measured_upper_rps') or 0:.3g} req/s, which the band reaches below")
                      + f"; recorded in {r['calibration_path']} (later bands carry it)")
     lines.extend(f"  note: {n}" for n in r.get("notes") or [])
     return "\n".join(lines)

@@ -51,11 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality-tasks", help="comma-separated lm-eval tasks (default: the space file's, else "
                                            f"{','.join(d.QUALITY_TASKS)})")
     p.add_argument("--quality-limit", type=int, help=f"items per task (default: the space file's, else {d.QUALITY_LIMIT})")
-    p.add_argument("--strategy", choices=("measure", "predict"), default="measure",
-                   help="measure (the default): Optuna's sampler picks each configuration and every one is measured; "
-                        "predict (llamacpp only): every configuration is predicted from engine profiles (tuner "
-                        "predict), then the engine default and, one at a time, the configuration most likely to beat "
-                        "the best measured so far are measured; the pick is the best measured")
+    p.add_argument("--strategy", choices=STRATEGIES, default=STRATEGIES[0],
+                   help="auto (the default): predict when every engine of the space has an engine profile (tuner "
+                        "profile), else measure, and the answer says which ran and why; predict: every configuration "
+                        "is predicted from engine profiles (tuner predict), then the engine default and, one at a "
+                        "time, the configuration most likely to beat the best measured so far are measured; the pick "
+                        "is the best measured; measure: Optuna's sampler picks each configuration and every one is "
+                        "measured")
     p.add_argument("--trials", type=int, default=d.TRIALS,
                    help=f"trial budget of the study, resumed runs included (default {d.TRIALS})")
     p.add_argument("--timeout", help="the search's time budget: 20m, 1h, 90s; no trial starts that would end past "
@@ -270,14 +272,41 @@ def memory_bytes(gb: float | None) -> int | None:
     return int(gb * 2**30)
 
 
+STRATEGIES = ("auto", "predict", "measure")  # --strategy: the first is the default
+
+
+def choose_strategy(asked: str, engines: list[str]) -> tuple[str, str]:
+    """(the strategy that runs, why) for `--strategy asked` on a space of `engines`: auto predicts when every engine
+    has an engine profile (the registry's `profiled`) and measures otherwise; predict on an engine without one is a
+    one-line error."""
+    from tuner.engines.registry import names, spoken
+
+    missing = [e for e in engines if not backend(e).profiled]
+    profiled = spoken(names(profiled=True))
+    if asked == "measure":
+        return "measure", "--strategy measure"
+    if asked == "predict" and missing:
+        raise TunerError(f"--strategy predict with engine {','.join(engines)}: predictions need an engine profile, "
+                         f"measured for {profiled} only so far; expected --engine {profiled} (or --strategy measure)")
+    if asked == "predict":
+        return "predict", "--strategy predict"
+    if asked != "auto":
+        raise TunerError(f"--strategy {asked!r} is invalid: expected one of {', '.join(STRATEGIES)}")
+    if missing:
+        return "measure", (f"--strategy auto: engine {', '.join(missing)} {'has' if len(missing) == 1 else 'have'} "
+                           f"no engine profile yet (profiled: {profiled}), so every configuration tried is measured")
+    return "predict", (f"--strategy auto: every engine of the space ({', '.join(engines)}) has an engine profile, so "
+                       "every configuration is predicted and the few that can win are measured")
+
+
 def predict_strategy(args: argparse.Namespace, ctx: Any) -> Any:
-    """`--strategy predict`'s chooser (None for measure); llama.cpp only: the engine profiles are measured there."""
-    if getattr(args, "strategy", "measure") != "predict":
+    """The chooser of the strategy that runs (tuner.predict.strategy.PredictStrategy), or None for measure; the
+    strategy and why in `args.strategy_ran` / `args.strategy_why`."""
+    engines = [s.engine for s in ctx.space.engines] or [ctx.space.engine]
+    ran, why = choose_strategy(getattr(args, "strategy", STRATEGIES[0]), engines)
+    args.strategy_ran, args.strategy_why = ran, why
+    if ran != "predict":
         return None
-    if ctx.space.engines or not backend(ctx.space.engine).profiled:
-        engines = ",".join(s.engine for s in ctx.space.engines) or ctx.space.engine
-        raise TunerError(f"--strategy predict with engine {engines}: predictions need an engine profile, measured "
-                         "for llamacpp only so far; expected --engine llamacpp (or --strategy measure)")
     import sys
 
     from tuner.cli.predict import capacity_pool
@@ -293,7 +322,7 @@ def predict_strategy(args: argparse.Namespace, ctx: Any) -> Any:
             tokenizer.append(load_tokenizer(checkpoint_dir(ctx.model)))
         return capacity_pool(config, ctx.workload, options, tokenizer[0])
 
-    return PredictStrategy(pool_for, seed=args.seed,
+    return PredictStrategy(pool_for, seed=args.seed, why=why,
                            log=(lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr)))
 
 
@@ -306,8 +335,10 @@ def run(args: argparse.Namespace, join: bool = False) -> int:
     try:
         for n in notes:
             print(f"note: {n}")
+        print(f"strategy: {args.strategy_ran} ({args.strategy_why})")
         result = run_search(ctx, storage_url, name, args.trials, args.timeout, args.seed, progress=not args.quiet,
-                            join=join, trial_memory_bytes=memory_bytes(args.trial_memory), strategy=strategy)
+                            join=join, trial_memory_bytes=memory_bytes(args.trial_memory), strategy=strategy,
+                            said={"strategy": args.strategy_ran, "strategy_why": args.strategy_why})
     except TunerError:
         remove_if_empty(made)  # bad input found late (storage, study): leave nothing behind
         raise
@@ -416,6 +447,8 @@ def format_answer(result: dict[str, Any], ctx: Any) -> str:
             misses = "; ".join("no rate was shown to meet the SLO" if k == SHOWN_TO_HOLD else f"{k} over by {v:.0%}"
                                for k, v in c["misses"].items())
             lines.append(f"  closest: trial {c['trial']}: {_cfg(c['config'])}: {misses}")
+    if a.get("strategy"):
+        lines.append(f"strategy: {a['strategy']} ({a.get('strategy_why')})")
     if a.get("strategy") == "predict":
         lines += predict_lines(a)
     lines.append(f"wrote {result['csv']} and {result['recommendation_path']}")
@@ -433,18 +466,25 @@ def predict_lines(a: dict[str, Any]) -> list[str]:
     worst = "-" if err["worst_abs"] is None else f"{100 * err['worst_abs']:.0f}%"
     per = cost.get("s_per_configuration")
     lines = [f"predicted {a['n_predicted']} configurations, measured {a['n_measured']}; model error over this "
-             f"search: median {med}, worst {worst} (|predicted - measured| / measured, n={err['n']})",
+             f"search: median {med}, worst {worst} (|predicted - measured| / measured, n={err['n']})"
+             + (f"; {a['n_not_predicted_not_measured']} not predicted, not measured"
+                if a.get("n_not_predicted_not_measured") else ""),
              f"  predicted: {a['n_predicted']} of the space's {a['n_configurations']} configurations in "
              f"{cost['simulations']} simulations" + (f", {per:.2f} s per configuration" if per is not None else "")
              + f" (profiles {cost.get('profile_s_total') or 0:.0f} s)"]
-    for left in a.get("left_out") or []:
-        lines.append(f"  not predicted: {left['configurations']} configuration(s): {left['why']}")
+    for left in a.get("left_out") or []:  # never ranked: no prediction; measured only as an engine default
+        n_not = left["configurations"] - left.get("measured", 0)
+        lines.append(f"  not predicted, not measured: {n_not} configuration(s): {left['why']}"
+                     + (f" ({left['measured']} more measured as an engine default)" if left.get("measured") else "")
+                     + "; `--strategy measure` samples them")
     for m in a.get("measured") or []:
         pr, band = m.get("predicted_requests_per_s"), m.get("predicted_band") or [None, None]
-        what = ("no prediction" if pr is None else
+        what = ("no prediction (measured as the engine default)" if pr is None else
                 f"predicted {pr:.3g} req/s" + (f" [{band[0]:.3g}, {band[1]:.3g}]" if band[0] is not None else ""))
+        censored = (f", censored: below {m['measured_upper_rps']:.3g} req/s" if m.get("censored")
+                    and m.get("measured_upper_rps") is not None else "")
         lines.append(f"  trial {m['trial']} {_cfg(m['config'] or {})}: {what}; measured {m['requests_per_s']:.3g} "
-                     f"req/s ({m.get('verdict')}); error {_pct(m.get('signed_error'))}")
+                     f"req/s ({m.get('verdict')}{censored}); error {_pct(m.get('signed_error'))}")
     lines += [f"  note: {n}" for n in a.get("notes") or []]  # off its band, extrapolated, tail verified, closest
     if a.get("stopped"):
         lines.append(f"  stopped: {a['stopped']}")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONTINUOUS_VALUES = 3  # values of a continuous knob predicted: low, middle, high (log or linear), + the baseline's
-FORMAT_FIELDS = ("quant", "kv_type", "threads", "ubatch")  # what a profile is measured for (profile.profile_key)
+FORMAT_FIELDS = ("engine", "quant", "kv_type", "threads", "ubatch")  # what a profile is for (profile.profile_key)
 PROFILE_S_GUESS = 90.0  # a profile's cost before one was measured here (issue 26's target per format on 2 cores)
 PROFILE_SHARE = 0.4  # of the --timeout left when the search starts: what profiling may take
 MAX_PROFILES = 4  # profiles measured (cached ones not counted) when there is no --timeout
@@ -68,11 +68,17 @@ class Prediction:
 
 
 # ------------------------------------------------------------------------------- the choosing rule --- #
-def calibration(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+def calibration(pairs: Sequence[tuple[float, float]], censored: Sequence[tuple[float, float]] = ()
+                ) -> tuple[float, float]:
     """(ratio, spread) from (predicted, measured) capacities of the configurations measured so far: ratio = the
     geometric mean of measured / predicted; spread = the log-scatter of those ratios, shrunk towards PRIOR_SIGMA
-    (PRIOR_WEIGHT pseudo-measurements). Pairs with a zero on either side carry no ratio."""
+    (PRIOR_WEIGHT pseudo-measurements). Pairs with a zero on either side carry no ratio. `censored`: (predicted,
+    upper bound) of configurations measured at 0 (no rate shown to meet; the capacity lies below the bound): such a
+    ratio is at most bound / predicted, so one below the mean of the others (1 without others) counts at that bound
+    (the most it can be: the mean moves down, never to 0); one above it says nothing against it and is left out."""
     logs = [math.log(m / p) for p, m in pairs if p and m and p > 0 and m > 0]
+    centre = statistics.fmean(logs) if logs else 0.0
+    logs += [math.log(u / p) for p, u in censored if p and u and p > 0 and u > 0 and math.log(u / p) < centre]
     if not logs:
         return 1.0, PRIOR_SIGMA
     mean = statistics.fmean(logs)
@@ -107,10 +113,14 @@ def calibrated_band(p: Prediction, ratio: float, sigma_cal: float) -> list[float
 
 
 def next_candidate(predictions: Sequence[Prediction], done: set, ratio: float, sigma_cal: float,
-                   best_rps: float) -> tuple[Prediction | None, float]:
+                   best_rps: float, per_engine: dict[str, tuple[float, float]] | None = None
+                   ) -> tuple[Prediction | None, float]:
     """The unmeasured configuration (key not in `done`) most likely to beat `best_rps` (ties: the higher calibrated
-    prediction, then the larger KV fraction), and its chance; (None, best chance) when none reaches STOP_CHANCE."""
-    ranked = sorted(((chance_to_beat(p, ratio, sigma_cal, best_rps), p.rps or 0.0,
+    prediction, then the larger KV fraction), and its chance; (None, best chance) when none reaches STOP_CHANCE.
+    `per_engine`: an engine's own (ratio, spread) where it has measurements (across engines each engine's model is
+    off in its own way); (ratio, sigma_cal) for the others."""
+    cal = per_engine or {}
+    ranked = sorted(((chance_to_beat(p, *cal.get(p.config.get("engine"), (ratio, sigma_cal)), best_rps), p.rps or 0.0,
                       float(p.config.get("kv_fraction") or 0.0), -i, p)
                      for i, p in enumerate(predictions) if p.key not in done), key=lambda t: t[:4], reverse=True)
     if not ranked:
@@ -137,7 +147,11 @@ def knob_values(knob: Any, baseline: Any) -> list[Any]:
 
 def enumerate_space(space: Any) -> list[dict[str, Any]]:
     """Every configuration to predict as Optuna parameters, with knobs a `when:` switches off left out (as
-    tuner.search.space.suggest_config samples them)."""
+    tuner.search.space.suggest_config samples them). A space across engines (tuner.search.space.combine_spaces):
+    each engine's own space enumerated, its parameters named `<engine>.<knob>` beside `engine`."""
+    if space.engines:
+        return [{"engine": sub.engine, **{f"{sub.engine}.{k}": v for k, v in params.items()}}
+                for sub in space.engines for params in enumerate_space(sub)]
     from tuner.search.space import switched_off_value
 
     out: list[tuple[dict[str, Any], dict[str, Any]]] = [({}, {})]  # (parameters, every knob's value so far)
@@ -157,19 +171,30 @@ def format_of(config: dict[str, Any]) -> tuple[Any, ...]:
     """The profile's format of a configuration (TrialConfig.to_dict leaves engine knobs at their default out)."""
     from tuner.search.space import DEFAULTS
 
-    return tuple(config.get(k, DEFAULTS[k]) for k in FORMAT_FIELDS)
+    return tuple(config.get(k, DEFAULTS.get(k)) for k in FORMAT_FIELDS)
 
 
 def describe_format(fmt: tuple[Any, ...]) -> str:
     return " ".join(f"{k}={v}" for k, v in zip(FORMAT_FIELDS, fmt))
 
 
-def profile_order(formats: Sequence[tuple[Any, ...]], baseline: tuple[Any, ...], seed: int) -> list[tuple[Any, ...]]:
-    """The baseline's format first, then by how many format knobs differ from it, ties in a seeded order."""
+def profile_order(formats: Sequence[tuple[Any, ...]], baseline: tuple[Any, ...], seed: int,
+                  others: Sequence[tuple[Any, ...]] = ()) -> list[tuple[Any, ...]]:
+    """The baseline's format first, then the other engines' default formats (`others`, across engines), then by how
+    many format knobs differ from the nearest of these, ties in a seeded order."""
     rng = random.Random(seed)
     shuffled = list(formats)
     rng.shuffle(shuffled)
-    return sorted(shuffled, key=lambda f: (f != baseline, sum(a != b for a, b in zip(f, baseline))))
+    anchors = [baseline, *others]
+    return sorted(shuffled, key=lambda f: (f != baseline, f not in anchors,
+                                           min(sum(a != b for a, b in zip(f, x)) for x in anchors)))
+
+
+def engine_defaults(space: Any) -> list[dict[str, Any]]:
+    """Each engine's default as Optuna parameters: the space's baseline, then (across engines) every other engine's,
+    as tuner.search.loop.enqueue_start measures them first."""
+    return [dict(space.baseline)] + [{"engine": o.engine, **{f"{o.engine}.{k}": o.baseline[k] for k in o.knobs}}
+                                     for o in space.engines[1:]]
 
 
 # ----------------------------------------------------------------------------------------- strategy --- #
@@ -178,19 +203,22 @@ class PredictStrategy:
     `report` for the answer). `pool_for(config, options)`: the capacity pool `tuner bench --capacity` builds."""
 
     def __init__(self, pool_for: Callable[[Any, Any], list[Any]], seed: int = 0,
-                 log: Callable[[str], None] = lambda s: None) -> None:
+                 log: Callable[[str], None] = lambda s: None, why: str = "--strategy predict") -> None:
         self.pool_for = pool_for
+        self.why = why  # why this strategy runs (tuner.cli.search.choose_strategy): the answer says it
         self.seed = seed
         self.log = log
         self.predictions: list[Prediction] = []
         self.n_configurations = 0
         self.left_out: list[dict[str, Any]] = []
+        self.left_out_keys: dict[str, list[Any]] = {}  # why -> the keys of the configurations left out for it
         self.profiles: dict[str, dict[str, Any]] = {}
         self.timing: dict[str, Any] = {}
         self.notes: list[str] = []
         self.stopped: str | None = None
         self.by_id: dict[str, dict[str, Any]] = {}  # profile id -> profile
         self.pools: dict[int, list[Any]] = {}  # batch cap -> capacity pool
+        self.space: Any = None  # the study's space (prepare)
         self.slo: Any = None  # the study's SLO (prepare): a tail term is verified at the predicted capacity
         self.timeouts_s = (0.0, 0.0)  # the study's --capacity-timeout and --trial-timeout (prepare)
         self.pool_options: Any = None  # the study's capacity settings (prepare): what the pools are built for
@@ -226,7 +254,7 @@ class PredictStrategy:
         from tuner.predict.verify import tail_terms
         from tuner.search.space import config_key, suggest_config
 
-        space = ctx.space
+        space = self.space = ctx.space
         self.slo, self.timeouts_s = ctx.slo, (ctx.capacity_timeout_s, ctx.trial_timeout_s)
         groups: dict[tuple[Any, ...], list[Prediction]] = {}
         grid = enumerate_space(space)
@@ -238,8 +266,9 @@ class PredictStrategy:
                 self.leave_out(p, f"draft {config.draft}: speculative decoding is not profiled yet")
                 continue
             groups.setdefault(format_of(p.config), []).append(p)
-        base_cfg = suggest_config(FixedTrial(dict(space.baseline)), space, ctx.model, ctx.device).to_dict()
-        order = profile_order(list(groups), format_of(base_cfg), self.seed)
+        anchors = [format_of(suggest_config(FixedTrial(d), space, ctx.model, ctx.device).to_dict())
+                   for d in engine_defaults(space)]
+        order = profile_order(list(groups), anchors[0], self.seed, anchors[1:])
         budget_s = PROFILE_SHARE * time_left_s if time_left_s is not None else None
         spent_s, measured, longest_s = 0.0, 0, PROFILE_S_GUESS
         self.pool_options = self.options(ctx)
@@ -257,7 +286,7 @@ class PredictStrategy:
             except Exception as e:  # the format's GGUF or the engine build is missing
                 self.fail(fmt, members, e)
                 continue
-            if cached is None and fmt != order[0]:
+            if cached is None and fmt not in anchors:  # each engine's default is profiled: it is measured
                 why = None
                 if budget_s is not None and spent_s + longest_s > budget_s:
                     why = (f"the time budget: profiling may take {PROFILE_SHARE:.0%} of --timeout ({budget_s:.0f} s), "
@@ -296,6 +325,9 @@ class PredictStrategy:
             self.leave_out(p, f"{describe_format(fmt)}: its profile failed: {one_line(e)}")
 
     def leave_out(self, p: Prediction, why: str) -> None:
+        """A configuration neither predicted nor (unless it is an engine default) measured: counted under its reason
+        (its key kept, so the answer counts those measured all the same)."""
+        self.left_out_keys.setdefault(why, []).append(p.key)
         for entry in self.left_out:
             if entry["why"] == why:
                 entry["configurations"] += 1
@@ -382,35 +414,48 @@ class PredictStrategy:
         self.timing["simulations"] = len(done)
 
     # ---------------------------------------------------------------------------------- measure --- #
-    def state(self, study: Any, space: Any) -> tuple[set, list[tuple[float, float]], float, Any, set]:
-        """(keys measured or tried, (predicted, measured) pairs, best feasible measured req/s, its trial, quality
-        keys pruned by the gate)."""
+    def state(self, study: Any, space: Any) -> dict[str, Any]:
+        """What the trials so far say: `done` (keys measured or tried), `pairs` {engine: [(predicted, measured)]}
+        and `censored` {engine: [(predicted, upper bound)]} (a measured 0: tuner.predict.calibration), `best`
+        (feasible measured req/s) and `best_trial`, `pruned` (quality keys the gate put out) and `defaults` (engine
+        defaults enqueued or measured, as Optuna parameters' engines)."""
+        from tuner.predict.calibration import upper_bound_rps
         from tuner.search.objective import quality_key
         from tuner.search.space import config_key
         from tuner.search.workers import interrupted
 
-        done, pairs, best, best_trial, pruned = set(), [], 0.0, None, set()
+        got: dict[str, Any] = {"done": set(), "pairs": {}, "censored": {}, "best": 0.0, "best_trial": None,
+                               "pruned": set(), "defaults": set()}
         for t in study.get_trials(deepcopy=False):
+            ua = t.user_attrs
+            if ua.get("baseline") or ua.get("engine_default"):
+                got["defaults"].add(t.params.get("engine") or (ua.get("config") or {}).get("engine") or "")
             if t.state.name == "WAITING" or interrupted(t):
                 continue
             key = config_key(space, t.params)
             if key is not None:
-                done.add(key)
-            ua = t.user_attrs
+                got["done"].add(key)
             if ((ua.get("quality") or {}).get("gate") or {}).get("verdict") == "exceeds" and ua.get("config"):
-                pruned.add(quality_key(ua["config"]))  # the format is out of the quality budget (the baseline too)
+                got["pruned"].add(quality_key(ua["config"]))  # the format is out of the quality budget (the baseline too)
             if t.state.name != "COMPLETE":
                 continue
-            measured = float((ua.get("capacity") or {}).get("requests_per_s") or 0.0)
+            cap = ua.get("capacity") or {}
+            measured = float(cap.get("requests_per_s") or 0.0)
+            engine = (ua.get("config") or {}).get("engine")
             if ua.get("predicted_requests_per_s") is not None:
-                pairs.append((float(ua["predicted_requests_per_s"]), measured))
-            if all(c <= 0 for c in ua.get("constraints") or [1]) and measured > best:
-                best, best_trial = measured, t.number
-        return done, pairs, best, best_trial, pruned
+                pr = float(ua["predicted_requests_per_s"])
+                got["pairs"].setdefault(engine, []).append((pr, measured))
+                upper = upper_bound_rps(cap) if measured <= 0 else None
+                if upper is not None:
+                    got["censored"].setdefault(engine, []).append((pr, upper))
+            if all(c <= 0 for c in ua.get("constraints") or [1]) and measured > got["best"]:
+                got["best"], got["best_trial"] = measured, t.number
+        return got
 
     def enqueue_next(self, study: Any, space: Any) -> bool:
-        """Enqueue the next configuration to measure (the baseline first); False, with `stopped` said, when none
-        has a meaningful chance. A WAITING trial already enqueued is measured first."""
+        """Enqueue the next configuration to measure (the engine default first: across engines every engine's);
+        False, with `stopped` said, when none has a meaningful chance. A WAITING trial already enqueued is measured
+        first."""
         from tuner.search.objective import quality_key
         from tuner.search.space import config_key
 
@@ -418,16 +463,24 @@ class PredictStrategy:
         trials = study.get_trials(deepcopy=False)
         if any(t.state.name == "WAITING" for t in trials):
             return True
-        done, pairs, best, best_trial, pruned = self.state(study, space)
-        ratio, sigma = calibration(pairs)
-        if not any(t.user_attrs.get("baseline") for t in trials):
-            key = config_key(space, dict(space.baseline))
+        s = self.state(study, space)
+        done, best, best_trial = s["done"], s["best"], s["best_trial"]
+        everything = [x for pairs in s["pairs"].values() for x in pairs]
+        ratio, sigma = calibration(everything, [x for c in s["censored"].values() for x in c])
+        per_engine = {e: calibration(pairs, s["censored"].get(e, ())) for e, pairs in s["pairs"].items()
+                      if len(s["pairs"]) > 1 or space.engines}
+        for i, params in enumerate(engine_defaults(space)):
+            engine = params.get("engine") or space.engine
+            if engine in s["defaults"] or (i == 0 and any(t.user_attrs.get("baseline") for t in trials)):
+                continue
+            key = config_key(space, params)
             p = next((p for p in self.predictions if p.key == key), None)
-            study.enqueue_trial(dict(space.baseline), user_attrs={"baseline": True, **self.attrs(p, ratio, sigma,
-                                                                                                  best, None)})
+            r, sg = per_engine.get(engine, (ratio, sigma))
+            study.enqueue_trial(params, user_attrs={("engine_default" if i else "baseline"): True,
+                                                    **self.attrs(p, r, sg, best, None)})
             return True
-        open_ = [p for p in self.predictions if quality_key(p.config) not in pruned]
-        p, chance = next_candidate(open_, done, ratio, sigma, best)
+        open_ = [p for p in self.predictions if quality_key(p.config) not in s["pruned"]]
+        p, chance = next_candidate(open_, done, ratio, sigma, best, per_engine)
         if p is None:
             left = sum(p.key not in done for p in open_)
             self.stopped = (f"no unmeasured configuration of the {left} predicted has a chance of {STOP_CHANCE:.1%} "
@@ -435,7 +488,8 @@ class PredictStrategy:
                             f"{chance:.1%} (predictions x {ratio:.2f} calibrated, spread {sigma:.2f})"
                             if left else "every predicted configuration was measured")
             return False
-        study.enqueue_trial(dict(p.params), user_attrs=self.attrs(p, ratio, sigma, best, chance))
+        r, sg = per_engine.get(p.config.get("engine"), (ratio, sigma))
+        study.enqueue_trial(dict(p.params), user_attrs=self.attrs(p, r, sg, best, chance))
         return True
 
     def store_predictions(self, study: Any) -> None:
@@ -472,9 +526,11 @@ class PredictStrategy:
         """What recommendation.json adds: every figure labelled predicted or measured; `notes` says what the
         model got wrong (a measured capacity outside its band), how each tail SLO was verified and at which n, and
         the closest configuration when none was shown to meet the SLO."""
+        from tuner.predict.calibration import upper_bound_rps
         from tuner.predict.verify import closest_text, off_band_text, verification, verified_text
+        from tuner.search.space import config_key
 
-        measured, said, runs = [], [], []
+        measured, said, runs, measured_keys = [], [], [], set()
         for t in study.get_trials(deepcopy=False):
             ua = t.user_attrs
             if t.state.name != "COMPLETE" or not isinstance(ua.get("capacity"), dict):
@@ -484,16 +540,20 @@ class PredictStrategy:
             band = ua.get("predicted_band")
             v = verification(ua["capacity"], ua.get("capacity_plan"))
             runs.append((t.number, ua.get("config") or {}, ua["capacity"]))
+            measured_keys.add(config_key(self.space, t.params) if self.space is not None else None)
+            upper = upper_bound_rps(ua["capacity"]) if m <= 0 else None  # a measured 0 is censored: below `upper`
+            has_band = pr is not None and bool(band) and band[0] is not None
             measured.append({"trial": t.number, "config": ua.get("config"), "predicted_requests_per_s": pr,
                              "predicted_band": band, "predicted_extrapolated": ua.get("predicted_extrapolated") or [],
-                             "within_band": (None if pr is None or not band or band[0] is None
-                                             else band[0] <= m <= band[1]), "verification": v,
+                             "within_band": (None if not has_band else band[0] <= m <= band[1] if m > 0 else
+                                             (False if upper is not None and upper < band[0] else None)),
+                             "censored": m <= 0, "measured_upper_rps": upper, "verification": v,
                              "predicted_calibrated_requests_per_s": ua.get("predicted_calibrated_requests_per_s"),
                              "predicted_chance_to_beat": ua.get("predicted_chance_to_beat"),
                              "requests_per_s": m, "requests_per_s_ci": ua["capacity"].get("requests_per_s_ci"),
                              "verdict": ua["capacity"].get("verdict"),
                              "signed_error": (pr - m) / m if pr is not None and m > 0 else None})
-            said += [s for s in (off_band_text(measured[-1]),) if s]
+            said += [s for s in (censored_text(measured[-1]) if m <= 0 else off_band_text(measured[-1]),) if s]
             if v is not None and self.slo is not None:
                 said.append(verified_text(t.number, self.slo, v)
                             + (f"; {ua['capacity_plan_note']}" if ua.get("capacity_plan_note") else ""))
@@ -501,7 +561,11 @@ class PredictStrategy:
         self.record_calibration(study)
         closest = closest_text(self.slo, runs) if self.slo is not None else None
         prediction = self.report_prediction()
+        left = [{**e, "measured": sum(k in measured_keys for k in self.left_out_keys.get(e["why"], []))}
+                for e in prediction["left_out"]]
         return {**prediction, "notes": prediction["notes"] + said + ([closest] if closest else []),
+                "left_out": left, "n_not_predicted_not_measured": sum(e["configurations"] - e["measured"]
+                                                                      for e in left),
                 "n_measured": len(measured), "measured": measured,
                 "model_error": {"n": len(errors), "median_abs": statistics.median(errors) if errors else None,
                                 "worst_abs": max(errors) if errors else None,
@@ -534,7 +598,7 @@ class PredictStrategy:
     def report_prediction(self) -> dict[str, Any]:
         """What was predicted, left out and what it cost (every figure here predicted, none measured)."""
         points = self.timing.get("point_s") or []
-        return {"strategy": "predict", "n_configurations": self.n_configurations,
+        return {"strategy": "predict", "strategy_why": self.why, "n_configurations": self.n_configurations,
                 "n_predicted": sum(p.rps is not None for p in self.predictions),
                 "left_out": self.left_out, "profiles": self.profiles, "notes": self.notes,
                 "prediction_cost": {"simulations": self.timing.get("simulations", len(points)),
@@ -548,3 +612,18 @@ class PredictStrategy:
                                    "predicted_extrapolated": list(p.extrapolated)}
                                   for p in sorted(self.predictions, key=lambda p: -(p.rps or 0))[:10]]}
 
+
+def censored_text(m: dict[str, Any]) -> str | None:
+    """A measured capacity of 0 in words: no rate was shown to meet the SLO, so the capacity lies below the bound;
+    recorded as that bound, not as a ratio of 0 (tuner.predict.calibration)."""
+    pr, band, upper = m.get("predicted_requests_per_s"), m.get("predicted_band") or [None, None], m["measured_upper_rps"]
+    if pr is None:
+        return None
+    bound = (f"its capacity is below {upper:.3g} req/s (the lowest rate probed that missed, or its saturation)"
+             if upper is not None else "no bound on its capacity was kept")
+    where = ("below its band: the model was off" if m["within_band"] is False else
+             "its band reaches below that bound: the model is neither confirmed nor contradicted")
+    return (f"trial {m['trial']}: no rate was shown to meet the SLO on the real engine: {bound}; predicted {pr:.3g} "
+            f"req/s" + (f", band [{band[0]:.3g}, {band[1]:.3g}]" if band[0] is not None else "") + f" ({where}); "
+            "recorded in the profile's calibration history as censored (the ratio measured / predicted is at most "
+            "bound / predicted), not as a ratio of 0")

@@ -178,9 +178,10 @@ def sigterm_as_interrupt() -> Any:
 
 def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, timeout: str | None, seed: int,
                progress: bool = True, join: bool = False, trial_memory_bytes: int | None = None,
-               strategy: Any = None) -> dict[str, Any]:
+               strategy: Any = None, said: dict[str, Any] | None = None) -> dict[str, Any]:
     """`strategy` (tuner.predict.strategy.PredictStrategy, `--strategy predict`) chooses each trial's configuration
-    and when to stop; None: Optuna's sampler does (`--strategy measure`)."""
+    and when to stop; None: Optuna's sampler does (`--strategy measure`). `said`: added to the answer as is (the
+    strategy that ran and why, tuner.cli.search.choose_strategy)."""
     import warnings
 
     import optuna
@@ -272,7 +273,7 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
             bar.close()
         with contextlib.suppress(Exception), lock:  # what finished is kept and summarized
             fail_dead_trials(study)
-            write_answer(study, ctx, storage_url, time.time() - t0, strategy)
+            write_answer(study, ctx, storage_url, time.time() - t0, strategy, said)
         lock.close()
         raise
     except BaseException:
@@ -281,7 +282,7 @@ def run_search(ctx: SearchContext, storage_url: str, name: str, n_trials: int, t
     bar.close()
     try:
         with lock:
-            return write_answer(study, ctx, storage_url, time.time() - t0, strategy)
+            return write_answer(study, ctx, storage_url, time.time() - t0, strategy, said)
     finally:
         lock.close()
 
@@ -354,8 +355,8 @@ def remember_quality(ctx: SearchContext, trials: list[Any]) -> None:
             ctx.quality_memo.setdefault(quality_key(c), q)
 
 
-def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float, strategy: Any = None
-                 ) -> dict[str, Any]:
+def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float, strategy: Any = None,
+                 said: dict[str, Any] | None = None) -> dict[str, Any]:
     from tuner.files import write_json_atomic, write_text_atomic
 
     rows = rows_from_study(study)
@@ -366,6 +367,7 @@ def write_answer(study: Any, ctx: SearchContext, storage_url: str, wall_s: float
     a["workload"] = ctx.workload.to_dict()
     a["n_running"] = sum(r.state in ("RUNNING", "WAITING") for r in rows)
     a["confirm_skipped"] = study.user_attrs.get("confirm_skipped")
+    a.update(said or {})
     if strategy is not None:
         a.update(strategy.report(study))
     if a.get("recommendation"):
