@@ -140,8 +140,8 @@ def check_study(storage: str, name: str, n_trials: int, min_workers: int = 2, al
 
 
 # --------------------------------------------------------------------------- fast stress of the budget --- #
-# The real `tuner search` worker loop (study, lock, budget, sampling, trial guard) with the measurement replaced
-# by a quick stand-in. TUNER_TEST_BAD_SAMPLE=N injects a failure: trial N samples an invalid configuration.
+# The real `tuner search` worker loop (study, lock, budget, sampling, trial guard, the pick's re-measure by the
+# worker that ends last) with the measurements (each trial's and --confirm's) replaced by quick stand-ins. TUNER_TEST_BAD_SAMPLE=N injects a failure: trial N samples an invalid configuration.
 STAND_IN = r'''
 import argparse, os, random, sys, time
 import tuner.search.loop as S
@@ -160,6 +160,13 @@ def stand_in(trial, ctx):
     trial.set_user_attr("constraints", [-1.0, 0.0])
     return (1.0 + c.kv_fraction, 100.0)
 S.objective = stand_in
+import tuner.search.confirm as C
+def confirm_stand_in(config, ctx, trial_dir, plan=None):  # the pick's re-measure (--confirm): the trial's figure
+    rps = 1.0 + config.kv_fraction
+    point = {"rate_rps": rps, "ttft_ms": {"p50": 1.0}, "attainment": 1.0}
+    return {"status": "ok", "metrics": {"capacity": {"requests_per_s": rps, "verdict": "meets", "probes": [point],
+                                                     "output_tokens_per_s": rps}}}
+C.measure = confirm_stand_in
 bad = os.environ.get("TUNER_TEST_BAD_SAMPLE")
 if bad:
     real = tuner.search.space.suggest_config
