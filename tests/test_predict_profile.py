@@ -92,7 +92,7 @@ def test_a_profile_from_another_host_is_measured_again_with_a_note(tmp_path: Pat
     measured: list[int] = []
     monkeypatch.setattr(prof, "profile_key", lambda c: key)
 
-    def measure(c: Any, cap: int, log: Any = None) -> dict[str, Any]:  # the real one starts llama-server
+    def measure(c: Any, cap: int, log: Any = None, protocol: Any = None) -> dict[str, Any]:  # the real one starts llama-server
         measured.append(cap)
         return dict(fake_profile(key), batch_cap=cap)
 

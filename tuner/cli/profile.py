@@ -8,7 +8,6 @@ import sys
 from typing import Any
 
 from tuner.cli.common import add_config_args, check_output_path, config_from_args, write_json_atomic
-from tuner.errors import TunerError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +15,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Start the engine for the configuration (at --batch-cap server slots), measure "
                                    "decode step time against running sequences and context, and prefill time against "
                                    "prompt tokens; fit the step model and cache it under $TUNER_CACHE/profiles, keyed "
-                                   "by engine build, model hash, format and host. llama.cpp only so far.")
+                                   "by engine build, model hash, format and host. Engines with a profile: those "
+                                   "`tuner engines` lists as profiled (llama.cpp, transformers); a configuration "
+                                   "with a draft is not profiled.")
     add_config_args(p)
     p.add_argument("--refresh", action="store_true", help="measure again even when a profile is cached")
     p.add_argument("--json", metavar="FILE", help="also write the profile to FILE")
@@ -24,14 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    from tuner.engines.registry import backend, names, spoken
+    from tuner.predict.profile import load_or_measure, side
 
-    if not backend(config.engine).profiled:
-        profiled = spoken(names(profiled=True))
-        raise TunerError(f"--engine {config.engine!r}: engine profiles are measured for {profiled} only so far; "
-                         f"expected --engine {profiled}")
+    side(config)  # an engine without a profile, or a draft: one line, before anything starts
     out_path = check_output_path(args.json)
-    from tuner.predict.profile import load_or_measure
 
     profile = load_or_measure(config, config.batch_cap, refresh=args.refresh,
                               log=lambda s: print(s, file=sys.stderr))
@@ -45,10 +42,9 @@ def format_profile(p: dict[str, Any]) -> str:
     m, fit, key = p["fit"]["model"], p["fit"], p["key"]
     cost = p.get("cost_s") or {}
     lines = [f"profile {p['id']} ({'cached' if p.get('cached') else 'measured now'}): {p.get('path')}",
-             f"  {key['engine']} {key['build']['commit']} (server {key['build']['server_sha256']}), model "
-             f"{key['model']['name']} ({key['model']['gguf_sha256']}), {key['format']['quant']} kv "
-             f"{key['format']['kv_type']}, host {key['host']['cpu_model']} x{key['host']['cores']}",
-             f"  measured {p.get('measured_at')} at -np {p['batch_cap']} (sequences {p['concurrencies']}) in "
+             f"  {key['engine']} {spoken(key['build'])}, model {spoken(key['model'])}, {spoken(key['format'])}, host "
+             f"{key['host']['cpu_model']} x{key['host']['cores']}",
+             f"  measured {p.get('measured_at')} at batch cap {p['batch_cap']} (sequences {p['concurrencies']}) in "
              f"{cost.get('total', 0):.0f} s (startup {cost.get('startup', 0):.0f}, prefill {cost.get('prefill', 0):.0f}, "
              f"decode {cost.get('decode', 0):.0f})",
              "  decode step = " + (", ".join(f"{t * 1e3:.1f} ms at {k}" for k, t in m["decode_by_batch_s"]) + " sequences"
@@ -60,5 +56,14 @@ def format_profile(p: dict[str, Any]) -> str:
              f"  prefill alone = {(m['decode_base_s'] + m['prefill_base_s']) * 1e3:.1f} ms + "
              f"{m['prefill_per_token_s'] * 1e3:.3f} ms/prompt token (RMSE {fit['prefill']['rmse_s'] * 1e3:.1f} ms, "
              f"{fit['prefill']['relative_rmse']:.0%}, n={fit['prefill']['n']})"]
+    kv = (p.get("engine") or {}).get("kv")
+    if kv:
+        lines.append(f"  KV cache the engine allocated: {kv['num_blocks']} blocks x {kv['block_tokens']} tokens = "
+                     f"{kv['tokens']} tokens")
     lines.extend(f"  note: {n}" for n in p.get("notes") or [])
     return "\n".join(lines)
+
+
+def spoken(fields: dict[str, Any]) -> str:
+    """'name smollm2-135m, quant fp32': a key part's fields in words."""
+    return ", ".join(f"{k} {v}" for k, v in fields.items())

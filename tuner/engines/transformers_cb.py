@@ -21,6 +21,11 @@ PREFILL_CHUNK = 512  # tokens of prefill per step on top of one decode token per
 ZERO_TOKENS = "engine returned zero tokens without an error (KV cache too small for the request?)"
 
 
+def batch_tokens(batch_cap: int) -> int:
+    """max_batch_tokens for a batch cap: one decode token per running sequence plus the prefill chunk."""
+    return batch_cap + PREFILL_CHUNK
+
+
 class ContinuousBatchingEngine(Engine):
     def __init__(self, model: Any, tokenizer: Any, config: TrialConfig, ignore_eos: bool = True) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -34,7 +39,7 @@ class ContinuousBatchingEngine(Engine):
     def settings(self) -> dict[str, Any]:
         return {
             "max_requests_per_batch": self.config.batch_cap,
-            "max_batch_tokens": self.config.batch_cap + PREFILL_CHUNK,
+            "max_batch_tokens": batch_tokens(self.config.batch_cap),
             "max_memory_percent": self.config.kv_fraction,
             "do_sample": False,
             "ignore_eos": self.ignore_eos,
@@ -133,6 +138,16 @@ class ContinuousBatchingEngine(Engine):
                 for rid in list(self._sinks):
                     self._finish(rid, "engine stopped before the request finished")
                 self.manager = None
+
+    def kv_capacity(self) -> dict[str, int] | None:
+        """The paged KV cache the running engine allocated: whole-model blocks, tokens per block and tokens in all
+        (read from transformers' cache, not recomputed); None before its generation loop has built it."""
+        processor = getattr(self.manager, "batch_processor", None) if self.manager is not None else None
+        cache = getattr(processor, "cache", None)
+        page = getattr(getattr(self.manager, "continuous_batching_config", None), "page_size", None)
+        if cache is None or not page:
+            return None
+        return {"num_blocks": int(cache.num_blocks), "block_tokens": int(page), "tokens": int(cache.num_blocks) * int(page)}
 
     def info(self) -> dict[str, Any]:
         cb = getattr(self.manager, "continuous_batching_config", None) if self.manager else None

@@ -1,18 +1,27 @@
-"""An engine profile: a short measurement of what drives a llama-server's speed on this host, fitted to a StepModel.
+"""An engine profile: a short measurement of what drives a serving engine's speed on this host, fitted to a StepModel.
 
-Measured on a real llama-server started through tuner.engines.llamacpp (the argv `tuner bench` launches) at the
-largest batch cap to cover (-np), over its streaming API with the real load generator:
+Measured on the real engine, opened through the registry's backend (`Backend.open`: the argv `tuner bench` launches
+for a server, the model loaded by the engine module for an in-process engine; the profile never reaches into the
+model) at the largest batch cap to cover, over its streaming interface with the real load generator:
 * **decode**: waves of k fresh prompts sent together (k = 1, 2, 4, ... up to the batch cap), at two prompt lengths,
   `DECODE_TOKENS` out each. Only the streamed gaps that fall while all k requests decode (after the wave's last first
   token, before its first finish) are kept: each is one step of k sequences; their medians per quarter of the
   output give (k, context tokens summed, step seconds) samples.
-* **prefill**: single requests of several prompt lengths (one token out) on the idle server: TTFT against tokens.
+* **prefill**: single requests of several prompt lengths (one token out) on the idle engine: TTFT against tokens
+  (and the engine's own prompt time beside it where it reports one: llama-server's `prompt_ms`).
 Both fitted by tuner.predict.fit (residuals kept); raw gaps and TTFTs are stored in the profile.
 
-Cached as JSON under $TUNER_CACHE/profiles/<id>.json, the id a hash of the key: engine build (llama.cpp commit and
-the llama-server binary's sha256), the model's GGUF sha256, the format (weight type, KV type, threads, ubatch) and
-the host (CPU model, cores). A profile of the same model and format from another host or build is never reused: it
-is measured again and the profile says so in its notes; a cached one that covers a smaller batch cap too.
+What differs between engines is one `Side` each (`SIDES`): what identifies its build, model and format, the
+context one sequence may hold at the profiled cap, its own prompt timing, the scheduler facts read from the running
+engine (the KV capacity it allocated, its token budget per step) and the admission limits a prediction of another
+configuration of the same format gets from them (`scheduler_limits`).
+
+Cached as JSON under $TUNER_CACHE/profiles/<id>.json, the id a hash of the key: engine build (llama.cpp: its commit
+and the llama-server binary's sha256; transformers: the torch and transformers versions), the model's hash (the
+GGUF's sha256; the checkpoint's source hash), the format (weight type, and for llama.cpp KV type, threads, ubatch;
+transformers: the device) and the host (CPU model, cores). A profile of the same model and format from another host
+or build is never reused: it is measured again and the profile says so in its notes; a cached one that covers a
+smaller batch cap too. A configuration with a draft (speculative decoding) is not profiled: one-line refusal.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +51,22 @@ PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
 DECODE_TOKENS = 32
 DECODE_WAVES = 2
+LLAMACPP_BATCH_TOKENS = 2048  # llama-server's default -b: decodes and prompt tokens per step at most
 BIN_PARTS = 4  # a wave's kept gaps are summarised per quarter of the output (the context grows along it)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How much a profile measures: the prefill repeats per prompt length and the decode waves per (k, prompt
+    length). The defaults are the profile's; fewer (a test's quick profile) give a noisier fit of the same shape."""
+
+    prefill_repeats: int = PREFILL_REPEATS
+    decode_waves: int = DECODE_WAVES
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_repeats", "decode_waves"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise TunerError(f"profile protocol {name}={getattr(self, name)!r} is invalid: expected an integer >= 1")
 
 
 def concurrencies(batch_cap: int) -> list[int]:
@@ -64,23 +89,105 @@ def host_facts() -> dict[str, Any]:
     return {"cpu_model": cpu, "cores": cores}
 
 
-def profile_key(config: TrialConfig) -> dict[str, Any]:
-    """What a profile is valid for (see the module docstring)."""
+@dataclass(frozen=True)
+class Side:
+    """The engine-specific parts of a profile. Every function takes what the profile has in hand: the config, or the
+    engine `Backend.open` gave (started, for `prompt_ms` and `facts`)."""
+
+    cap_name: str  # what the engine calls the batch cap (for messages)
+    identity: Callable[[TrialConfig], dict[str, Any]]  # {"build", "model", "format"} of the profile key
+    tokens_per_seq: Callable[[Any, int], int | None]  # context one sequence may hold at the cap; None: not split
+    prompt_ms: Callable[[Any, int], float | None]  # the engine's own prompt time of the last run's request `index`
+    facts: Callable[[Any], dict[str, Any]]  # read from the running engine: its launch, KV capacity, token budget
+    limits: Callable[[dict[str, Any], TrialConfig], dict[str, Any]]  # see scheduler_limits
+
+
+def llamacpp_identity(config: TrialConfig) -> dict[str, Any]:
     from tuner.engines.llamacpp import COMMIT, binary, source_gguf
     from tuner.models import file_sha256
 
-    if not backend(config.engine).profiled:
-        raise TunerError(f"--engine {config.engine!r}: engine profiles are measured for llamacpp only so far; "
-                         "expected --engine llamacpp")
+    return {"build": {"commit": COMMIT, "server_sha256": file_sha256(binary("llama-server"))[:16]},
+            "model": {"name": config.model, "gguf_sha256": file_sha256(source_gguf(config.model))[:16]},
+            "format": {"quant": config.quant, "kv_type": config.kv_type, "threads": config.threads,
+                       "ubatch": config.ubatch}}
+
+
+def llamacpp_facts(engine: Any) -> dict[str, Any]:
+    info = engine.info()
+    return {"argv": info.get("argv"), "ctx_tokens": info.get("ctx_tokens")}
+
+
+def llamacpp_limits(profile: dict[str, Any], config: TrialConfig) -> dict[str, Any]:
+    """llama-server's -b (2048) a step holds at most, or -ub when larger; its -c splits into slots (not modelled as
+    admission: a slot holds what fits)."""
+    return {"kv_tokens": None, "token_budget": max(LLAMACPP_BATCH_TOKENS, config.ubatch or 0),
+            "source": "llama-server -b 2048 (or -ub when larger)"}
+
+
+def transformers_identity(config: TrialConfig) -> dict[str, Any]:
+    from importlib.metadata import version
+
+    from tuner.models import resolve_source, source_hash
+
+    return {"build": {"torch": version("torch"), "transformers": version("transformers")},
+            "model": {"name": config.model, "source_hash": source_hash(resolve_source(config.model))},
+            "format": {"quant": config.quant, "device": config.device}}
+
+
+def transformers_facts(engine: Any) -> dict[str, Any]:
+    kv = engine.kv_capacity()
+    return {"settings": engine.settings(), "kv": kv, "attn_implementation": engine.info().get("attn_implementation")}
+
+
+def transformers_limits(profile: dict[str, Any], config: TrialConfig) -> dict[str, Any]:
+    """transformers continuous batching: a step holds max_batch_tokens (the batch cap + the prefill chunk: the
+    engine's own rule, tuner.engines.transformers_cb.batch_tokens); its paged KV cache holds the blocks the KV
+    fraction gave when the profile ran, read from the engine, here taken in proportion to the asked fraction (the
+    engine sizes it as that share of the memory free at its start)."""
+    from tuner.engines.transformers_cb import batch_tokens
+
+    kv = (profile.get("engine") or {}).get("kv") or {}
+    fraction = ((profile.get("engine") or {}).get("settings") or {}).get("max_memory_percent")
+    tokens = None
+    if kv.get("tokens") and fraction:
+        tokens = max(1, int(kv["tokens"] * config.kv_fraction / fraction))
+    return {"kv_tokens": tokens, "token_budget": batch_tokens(config.batch_cap),
+            "source": f"KV {kv.get('num_blocks')} blocks x {kv.get('block_tokens')} tokens at kv_fraction {fraction}"
+                      + ("" if config.kv_fraction == fraction else f", scaled to {config.kv_fraction}")}
+
+
+SIDES: dict[str, Side] = {
+    "llamacpp": Side("-np", llamacpp_identity, lambda engine, cap: (engine.ctx_tokens or 0) // cap,
+                     lambda engine, index: (engine.request_timings().get(f"r{index}") or {}).get("prompt_ms"),
+                     llamacpp_facts, llamacpp_limits),
+    "transformers": Side("max_requests_per_batch", transformers_identity, lambda engine, cap: None,
+                         lambda engine, index: None, transformers_facts, transformers_limits),
+}
+
+
+def side(config: TrialConfig) -> Side:
+    """The profile's side of `config`'s engine; one line when the engine or the config cannot be profiled."""
+    from tuner.engines.registry import names, spoken
+
+    if not backend(config.engine).profiled or config.engine not in SIDES:
+        profiled = spoken(names(profiled=True))
+        raise TunerError(f"--engine {config.engine!r}: engine profiles are measured for {profiled} only so far; "
+                         f"expected --engine {profiled}")
     if config.draft != "none":
         raise TunerError(f"--draft {config.draft!r}: a profile of speculative decoding is not measured yet; "
                          "expected --draft none")
-    return {"engine": "llamacpp",
-            "build": {"commit": COMMIT, "server_sha256": file_sha256(binary("llama-server"))[:16]},
-            "model": {"name": config.model, "gguf_sha256": file_sha256(source_gguf(config.model))[:16]},
-            "format": {"quant": config.quant, "kv_type": config.kv_type, "threads": config.threads,
-                       "ubatch": config.ubatch},
-            "host": host_facts()}
+    return SIDES[config.engine]
+
+
+def profile_key(config: TrialConfig) -> dict[str, Any]:
+    """What a profile is valid for (see the module docstring)."""
+    return {"engine": config.engine, **side(config).identity(config), "host": host_facts()}
+
+
+def scheduler_limits(profile: dict[str, Any], config: TrialConfig) -> dict[str, Any]:
+    """What the simulated scheduler admits for `config` (of the profile's engine and format): `kv_tokens` (the KV
+    capacity in tokens, None: not an admission limit) and `token_budget` (tokens one step holds), with `source`."""
+    return side(config).limits(profile, config)
 
 
 def profile_id(key: dict[str, Any]) -> str:
@@ -146,7 +253,8 @@ def decode_samples(gaps: list[tuple[int, int, float]], parts: int = BIN_PARTS) -
 def collect_samples(serve: Callable[[list[Request], int], list[Any]], pool: list[int], batch_cap: int,
                     prefill_lengths: list[int], decode_prompts: list[int], rng: random.Random,
                     log: Callable[[str], None] = lambda s: None,
-                    engine_prompt_ms: Callable[[int], float | None] = lambda index: None) -> dict[str, Any]:
+                    engine_prompt_ms: Callable[[int], float | None] = lambda index: None,
+                    protocol: Protocol = Protocol()) -> dict[str, Any]:
     """The profile's measurement protocol against `serve(requests, concurrency) -> results` (a real engine through
     the load generator, or a simulated one): a warm-up, prefill samples, then decode waves at each concurrency.
     `engine_prompt_ms(index)`: the engine's own prompt time of the last run's request `index`, kept beside TTFT."""
@@ -154,7 +262,7 @@ def collect_samples(serve: Callable[[list[Request], int], list[Any]], pool: list
     prefill: list[dict[str, Any]] = []
     t = time.perf_counter()
     for p in prefill_lengths:
-        for r in serve(fresh_prompts(pool, PREFILL_REPEATS, p, 1, rng), 1):
+        for r in serve(fresh_prompts(pool, protocol.prefill_repeats, p, 1, rng), 1):
             if r.ok and r.ttft_ms is not None:
                 prefill.append({"prompt_tokens": p, "ttft_s": r.ttft_ms / 1e3,
                                 "engine_prompt_ms": engine_prompt_ms(r.index)})
@@ -165,7 +273,7 @@ def collect_samples(serve: Callable[[list[Request], int], list[Any]], pool: list
     t = time.perf_counter()
     for k in concurrencies(batch_cap):
         for p in decode_prompts:
-            for _ in range(DECODE_WAVES):
+            for _ in range(protocol.decode_waves):
                 wave = wave_gaps(serve(fresh_prompts(pool, k, p, DECODE_TOKENS, rng), k), p)
                 gaps += wave
                 decode += [dict(s, prompt_tokens=p) for s in decode_samples(wave)]
@@ -176,66 +284,68 @@ def collect_samples(serve: Callable[[list[Request], int], list[Any]], pool: list
             "cost_s": {"prefill": prefill_s, "decode": time.perf_counter() - t}}
 
 
-def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], None] = lambda s: None
-                    ) -> dict[str, Any]:
-    """Start llama-server for `config` at -np `batch_cap`, measure, stop it; the profile (unwritten)."""
-    from tuner.engines.llamacpp import LlamaCppEngine
+def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], None] = lambda s: None,
+                    protocol: Protocol = Protocol()) -> dict[str, Any]:
+    """Open `config`'s engine through its backend at batch cap `batch_cap`, start it, measure, stop it; the profile
+    (unwritten)."""
     from tuner.measure.loadgen import run_load
     from tuner.measure.workload import token_pool
-    from tuner.models import checkpoint_dir
-    from tuner.quantize import load_tokenizer
 
+    part = side(config)
     key = profile_key(config)
     t_start = time.perf_counter()
     served = config.replace(batch_cap=batch_cap)
-    engine = LlamaCppEngine(served, ignore_eos=True)
-    engine.prepare()
-    pool = token_pool(load_tokenizer(checkpoint_dir(config.model)))
+    engine, _model, tokenizer = backend(config.engine).open(served, ignore_eos=True)
+    del _model  # the engine owns it
+    pool = token_pool(tokenizer)
     rng = random.Random(f"profile-{profile_id(key)}")
-    slot_ctx = (engine.ctx_tokens or 0) // batch_cap
     notes: list[str] = []
-    prefill_lengths = [p for p in PREFILL_TOKENS if p + 1 <= slot_ctx]
-    decode_prompts = [p for p in DECODE_PROMPTS if p + DECODE_TOKENS <= slot_ctx]
+    per_seq = part.tokens_per_seq(engine, batch_cap)
+    room = per_seq if per_seq is not None else max(PREFILL_TOKENS) + DECODE_TOKENS + max(DECODE_PROMPTS)
+    prefill_lengths = [p for p in PREFILL_TOKENS if p + 1 <= room]
+    decode_prompts = [p for p in DECODE_PROMPTS if p + DECODE_TOKENS <= room]
     if len(prefill_lengths) < 2 or not decode_prompts:
-        raise TunerError(f"-c {engine.ctx_tokens} gives {slot_ctx} tokens per slot at -np {batch_cap}: too few to "
-                         f"profile (prompts up to {max(PREFILL_TOKENS)} tokens); expected a larger --kv-fraction")
+        raise TunerError(f"{per_seq} tokens per sequence at {part.cap_name} {batch_cap}: too few to profile (prompts "
+                         f"up to {max(PREFILL_TOKENS)} tokens); expected a larger --kv-fraction")
     if len(prefill_lengths) < len(PREFILL_TOKENS):
-        notes.append(f"prompts profiled up to {max(prefill_lengths)} tokens ({slot_ctx} tokens per slot)")
+        notes.append(f"prompts profiled up to {max(prefill_lengths)} tokens ({per_seq} tokens per sequence)")
 
     def serve(reqs: list[Request], k: int) -> list[Any]:
         return run_load(engine, reqs, concurrency=k, timeout_s=300.0, progress=False).results
 
-    def prompt_ms(index: int) -> float | None:  # llama-server's own timings of the last run's request
-        return (engine.request_timings().get(f"r{index}") or {}).get("prompt_ms")
-
-    from tuner.engines.server import ServerFailed
-
     try:
         engine.start()
-    except ServerFailed as e:
-        raise TunerError(f"profile: llama-server did not start for {config.quant} at -np {batch_cap}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a start that fails, however the engine says it, is one line
+        engine.stop(drain=False)
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise TunerError(f"profile: the {config.engine} engine did not start for {config.quant} at {part.cap_name} "
+                         f"{batch_cap}: {why}") from None
     try:
         startup_s = time.perf_counter() - t_start
-        samples = collect_samples(serve, pool, batch_cap, prefill_lengths, decode_prompts, rng, log, prompt_ms)
-        info = engine.info()
+        samples = collect_samples(serve, pool, batch_cap, prefill_lengths, decode_prompts, rng, log,
+                                  lambda index: part.prompt_ms(engine, index), protocol)
+        facts = part.facts(engine)
     finally:
         engine.stop(drain=False)
     prefill, decode, gaps = samples["prefill"], samples["decode"], samples["gaps"]
     if len(prefill) < 4 or len(decode) < 3:
-        raise TunerError(f"profile: too few samples ({len(prefill)} prefill, {len(decode)} decode): the server's "
-                         "requests failed; expected a server that answers (see its log with tuner bench --server-log)")
+        raise TunerError(f"profile: too few samples ({len(prefill)} prefill, {len(decode)} decode): the engine's "
+                         "requests failed; expected an engine that answers (see tuner bench on the same "
+                         "configuration)")
     _, fit = fit_step_model(decode, prefill, gaps)
     return {
         "version": VERSION, "id": profile_id(key), "key": key,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "batch_cap": batch_cap, "concurrencies": concurrencies(batch_cap),
+        "protocol": {"prefill_tokens": prefill_lengths, "decode_prompts": decode_prompts,
+                     "decode_tokens": DECODE_TOKENS, **protocol.__dict__},
         "ranges": {"max_seqs": batch_cap, "max_context_per_seq": max(decode_prompts) + DECODE_TOKENS,
                    "max_prompt_tokens": max(prefill_lengths)},
         "fit": fit,
         "samples": {"decode": decode, "prefill": prefill,
                     "gaps": [[k, ctx, round(g, 6)] for k, ctx, g in gaps]},
         "cost_s": {"total": time.perf_counter() - t_start, "startup": startup_s, **samples["cost_s"]},
-        "server": {"argv": info.get("argv"), "ctx_tokens": info.get("ctx_tokens")},
+        "engine": facts,
         "notes": notes,
     }
 
@@ -265,7 +375,7 @@ def other_profiles(key: dict[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
 
 
 def load_or_measure(config: TrialConfig, batch_cap: int, refresh: bool = False,
-                    log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+                    log: Callable[[str], None] = lambda s: None, protocol: Protocol = Protocol()) -> dict[str, Any]:
     """The cached profile for `config` on this host and build covering `batch_cap` sequences, else a new one
     (measured, written, and its notes say why it was measured). `profile["cached"]` says which."""
     from tuner.files import write_json_atomic
@@ -286,9 +396,9 @@ def load_or_measure(config: TrialConfig, batch_cap: int, refresh: bool = False,
     for other, prof in other_profiles(key):
         notes.append(f"a profile of this model and format from another {' and '.join(differs(prof['key'], key))} "
                      f"({other.name}, measured {prof.get('measured_at')}) is not reused here: measured again")
-    log(f"profiling {config.model} {config.quant} on llama.cpp at -np {batch_cap} (concurrencies "
-        f"{concurrencies(batch_cap)})")
-    profile = measure_profile(config, batch_cap, log)
+    log(f"profiling {config.model} {config.quant} on {config.engine} at {side(config).cap_name} {batch_cap} "
+        f"(concurrencies {concurrencies(batch_cap)})")
+    profile = measure_profile(config, batch_cap, log, protocol)
     profile["notes"] = notes + profile["notes"]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, profile)
