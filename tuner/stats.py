@@ -15,6 +15,7 @@ usual i.i.d. approximation, as in every serving benchmark that reports percentil
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -110,13 +111,22 @@ def quantile_bounds(values: Sequence[float], q: float, confidence: float = DEFAU
     """Distribution-free one-sided bounds (lower, upper) for the q-quantile, each with `confidence`: order statistics
     chosen from Binomial(n, q). None where n is too small for that side (e.g. an upper bound on p99 needs n >= 299
     at 95%). Values may include math.inf (a failed request counts as an infinite latency)."""
-    from scipy.stats import binom
-
     _check_confidence(confidence)
     xs = sorted(values)
     n = len(xs)
     if n == 0:
         return None, None
+    j, k = order_ranks(n, q, confidence)
+    return (xs[j - 1] if j >= 1 else None), (xs[k - 1] if k <= n else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def order_ranks(n: int, q: float, confidence: float) -> tuple[int, int]:
+    """The ranks (1-based) of quantile_bounds' order statistics for n samples: (j, k), the lower bound X_(j) (none
+    when j < 1) and the upper X_(k) (none when k > n). A function of (n, q, confidence) only: kept (the capacity
+    search summarises thousands of probes of a few sizes)."""
+    from scipy.stats import binom
+
     alpha = 1.0 - confidence
     # lower: X_(j) <= xi_q holds when at least j samples are <= xi_q: P(B >= j) = sf(j-1) >= confidence
     j = int(binom.ppf(alpha, n, q))  # largest j with P(B < j) <= alpha (approximately): check and adjust
@@ -124,13 +134,11 @@ def quantile_bounds(values: Sequence[float], q: float, confidence: float = DEFAU
         j -= 1
     while j + 1 <= n and binom.sf(j, n, q) >= confidence:
         j += 1
-    lower = xs[j - 1] if j >= 1 else None
     # upper: X_(k) >= xi_q holds when at most k-1 samples are <= xi_q: P(B <= k-1) = cdf(k-1) >= confidence
     k = int(binom.ppf(confidence, n, q)) + 1
     while k - 1 >= 1 and binom.cdf(k - 2, n, q) >= confidence:
         k -= 1
-    upper = xs[k - 1] if k <= n else None
-    return lower, upper
+    return j, k
 
 
 def quantile_ci(values: Sequence[float], q: float, confidence: float = DEFAULT_CONFIDENCE

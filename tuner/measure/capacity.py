@@ -256,20 +256,51 @@ def certain_miss(slo: SLO, ramp: int, confidence: float | None = None
     if not bounds and not slo.targets_ms:
         return None
     best = RequestResult(index=-1, prompt_tokens=1, output_tokens=2, ttft_ms=0.0, e2e_ms=0.0)
+    # Counted as the requests finish (the finished list only grows between calls; anything else is counted afresh):
+    # per bound the steady requests with a value and those within its limit, and those meeting every target --
+    # what bound_verdict and attainment_verdict decide on -- so a check costs O(new requests), not O(finished).
+    pad_within = [bool(request_values([best], b.metric)) and request_values([best], b.metric)[0] <= b.limit_ms
+                  for b in bounds]
+    pad_good = bool(slo.targets_ms) and meets_slo(best, slo.targets)
+    state: dict[str, Any] = {"seen": 0, "last": None, "steady": 0, "n": [0] * len(bounds),
+                             "k": [0] * len(bounds), "good": 0}
+    verdicts: dict[tuple[float, float, float], str] = {}
+
+    def verdict(k: float, n: float, q: float) -> str:
+        if (k, n, q) not in verdicts:
+            verdicts[k, n, q] = attainment_verdict(k, n, q, conf)
+        return verdicts[k, n, q]
+
+    def count(finished: list[RequestResult]) -> None:
+        seen = state["seen"]
+        if seen > len(finished) or (seen and finished[seen - 1] is not state["last"]):
+            state.update(seen=0, steady=0, n=[0] * len(bounds), k=[0] * len(bounds), good=0)
+            seen = 0
+        for r in finished[seen:]:
+            if r.index < ramp:
+                continue
+            state["steady"] += 1
+            for i, b in enumerate(bounds):
+                for v in request_values([r], b.metric):
+                    state["n"][i] += 1
+                    state["k"][i] += v <= b.limit_ms
+            if slo.targets_ms:
+                state["good"] += meets_slo(r, slo.targets)
+        state["seen"], state["last"] = len(finished), finished[-1] if finished else None
 
     def should_stop(finished: list[RequestResult], total: int) -> str | None:
-        steady = [r for r in finished if r.index >= ramp]
-        if len(steady) < 4:
+        count(finished)
+        steady = state["steady"]
+        if steady < 4:
             return None
-        padded = steady + [best] * max(0, total - ramp - len(steady))
-        missed = [str(b) for b in bounds
-                  if bound_verdict(request_values(padded, b.metric), b.stat, b.limit_ms, conf) == MISSES]
-        if slo.targets_ms:
-            good = sum(meets_slo(r, slo.targets) for r in padded)
-            if attainment_verdict(good, len(padded), slo.attainment, conf) == MISSES:
-                missed.append(f"attainment>={slo.attainment:g}")
+        pad = max(0, total - ramp - steady)
+        missed = [str(b) for i, b in enumerate(bounds)
+                  if state["n"][i] + pad > 0 and verdict(state["k"][i] + pad * pad_within[i], state["n"][i] + pad,
+                                                         float(b.stat.lstrip("p")) / 100.0) == MISSES]
+        if slo.targets_ms and verdict(state["good"] + pad * pad_good, steady + pad, slo.attainment) == MISSES:
+            missed.append(f"attainment>={slo.attainment:g}")
         if missed:
-            return f"{', '.join(missed)} missed with confidence after {len(steady)} of {total - ramp} requests"
+            return f"{', '.join(missed)} missed with confidence after {steady} of {total - ramp} requests"
         return None
 
     return should_stop
@@ -516,12 +547,14 @@ class CapacitySearch:
     def variability(self) -> float:
         """(ca^2 + cs^2) / 2: ca^2 = 1 for Poisson arrivals (a trace's too, unknown), 0 for constant ones; cs^2 the
         squared coefficient of variation of the requests' output lengths (decoding dominates a request's service),
-        at least `MIN_SERVICE_CV2` for the engine's own step-time noise."""
-        ca2 = 0.0 if self.o.arrival == "constant" else 1.0
-        outs = [r.max_tokens for r in self.pool[:2000]]
-        mean = statistics.fmean(outs) if outs else 0.0
-        cs2 = statistics.pvariance(outs) / mean ** 2 if mean > 0 and len(outs) > 1 else 0.0
-        return (ca2 + max(cs2, MIN_SERVICE_CV2)) / 2.0
+        at least `MIN_SERVICE_CV2` for the engine's own step-time noise. Computed once (the pool is fixed)."""
+        if getattr(self, "_variability", None) is None:
+            ca2 = 0.0 if self.o.arrival == "constant" else 1.0
+            outs = [r.max_tokens for r in self.pool[:2000]]
+            mean = statistics.fmean(outs) if outs else 0.0
+            cs2 = statistics.pvariance(outs) / mean ** 2 if mean > 0 and len(outs) > 1 else 0.0
+            self._variability = (ca2 + max(cs2, MIN_SERVICE_CV2)) / 2.0
+        return self._variability
 
     def first_pass(self, rate: float | None = None) -> int:
         first, cap = self.o.probe_requests
