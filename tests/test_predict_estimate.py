@@ -140,3 +140,67 @@ def test_an_output_longer_than_profiled_is_extrapolated_in_the_json_and_the_text
     assert "the profile measured up to 352" in said[0]
     assert "EXTRAPOLATED past the profile" in text and said[0] in text
     assert inside["capacity"]["extrapolated"] == [] and "EXTRAPOLATED" not in plain
+
+
+def test_a_repeated_search_is_a_copy_and_another_pool_is_simulated_anew(monkeypatch) -> None:
+    """The search strategy simulates each point, then its band with the point again: the second is the first's
+    figures (nothing simulated), a copy the caller may change; a pool differing in one output length is simulated."""
+    from tuner.predict import estimate
+
+    made: list[int] = []
+
+    class Counted(SimulatedEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(estimate, "SimulatedEngine", Counted)
+    options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
+    pool = workload(options, 2)
+    first = simulated_capacity(TRUTH, 2, pool, options, 2048, 7)
+    first["notes"].append("changed by the caller")
+    again = simulated_capacity(TRUTH, 2, pool, options, 2048, 7)
+    assert len(made) == 1 and "changed by the caller" not in again["notes"]
+    assert again["requests_per_s"] == first["requests_per_s"] and again["probes"] == first["probes"]
+    other = list(pool)
+    other[5] = Request(other[5].index, "", other[5].prompt_ids, other[5].max_tokens + 1, None)
+    simulated_capacity(TRUTH, 2, other, options, 2048, 7)
+    simulated_capacity(TRUTH, 2, pool, options, 2048, 8)  # another noise seed
+    assert len(made) == 3
+
+
+def test_the_band_without_the_curve_is_the_band_with_it(profiled: dict[str, Any]) -> None:
+    """The search strategy reads the capacity and its band only: `curve=False` leaves the latency-load curve out and
+    changes neither."""
+    options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
+    pool = workload(options, 4)
+    config = SimpleNamespace(batch_cap=4, ubatch=0)
+    with_curve = predict(profiled, config, pool, options, replicates=2)
+    without = predict(profiled, config, pool, options, replicates=2, curve=False)
+    assert without["curve"] == [] and len(with_curve["curve"]) == 5
+    assert without["capacity"] == with_curve["capacity"]
+
+
+def test_the_capacity_pool_has_the_bench_prompts_token_ids_without_their_text() -> None:
+    """`tuner predict` and the search strategy simulate the pool `tuner bench --capacity` sends: the same requests
+    (token ids, output lengths, order) with the text left out (the simulated engine never reads it)."""
+    from tuner.cli.predict import capacity_pool
+    from tuner.config import TrialConfig
+    from tuner.measure.bench import bench_prompts
+    from tuner.measure.workload import WorkloadSpec
+
+    class Chars:  # a tokenizer of characters: enough to build prompts from the corpus
+        def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
+            return {"input_ids": [ord(c) for c in text]}
+
+        def decode(self, ids: Any, **_: Any) -> str:
+            return "".join(chr(i) for i in ids)
+
+    config = TrialConfig(model="smollm2-135m", engine="llamacpp", quant="Q8_0", batch_cap=4)
+    spec = WorkloadSpec(requests=40, input_len=(16, 64), output_len=(8, 16), seed=3)
+    options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
+    sent = bench_prompts(config, spec, Chars(), options)[0]
+    pool = capacity_pool(config, spec, options, Chars())
+    assert [(r.prompt_ids, r.max_tokens) for r in pool] == [(r.prompt_ids, r.max_tokens) for r in sent]
+    assert len(pool) == options.pool_size(4, 2) and all(r.prompt == "" for r in pool)
+    assert all(r.prompt for r in sent)

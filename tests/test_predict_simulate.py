@@ -161,3 +161,226 @@ def test_a_per_batch_table_sets_the_step_time() -> None:
         assert all(g == pytest.approx(step_ms) for r in load.results for g in r.itl_ms), k
     with pytest.raises(TunerError, match="decode_by_batch_s"):
         StepModel(decode_base_s=0.0, decode_by_batch_s=((1, 0.01), (1, 0.02)))
+
+
+# ------------------------------------------------------------------------------------------- fast paths --- #
+def plain_run(engine: SimulatedEngine, reqs: list[Request], concurrency: int | None = None, timeout_s: float = 3600.0,
+              should_stop=None) -> dict:
+    """The simulation as it was before its decodes were counted instead of visited (commit 7cfb10c's
+    SimulatedEngine.run, condensed): every running request an object updated in every step, its gaps appended one
+    by one. Driven on `engine`'s own clock, RNG and settings; returns what a LoadResult holds."""
+    from collections import deque
+
+    from tuner.measure.metrics import RequestResult
+
+    t0 = t = engine.now
+    n, deadline = len(reqs), engine.now + timeout_s
+    sent, waiting, running, done = [], deque(), [], []
+    by_index: list = [None] * n
+    free_at = deque([t0] * concurrency) if concurrency else deque()
+    kv_used = ctx_decoding = cursor = finished_count = 0
+    reason = None
+
+    def send_due() -> None:
+        nonlocal cursor
+        while cursor < n:
+            if concurrency:
+                if not free_at:
+                    return
+                scheduled = free_at.popleft()
+            else:
+                scheduled = t0 + (reqs[cursor].arrival_s or 0.0)
+                if scheduled > t:
+                    return
+            r = reqs[cursor]
+            s = {"req": r, "scheduled": scheduled, "left": max(1, len(r.prompt_ids)), "ctx": 0, "out": 0,
+                 "last": scheduled, "need": max(1, len(r.prompt_ids)) + r.max_tokens, "ended": None,
+                 "res": RequestResult(index=r.index, prompt_tokens=len(r.prompt_ids), send_s=scheduled - t0,
+                                      dispatch_lag_ms=0.0)}
+            by_index[cursor] = s
+            sent.append(s)
+            waiting.append(s)
+            cursor += 1
+
+    def finish(s: dict, error: str | None) -> None:
+        r = s["res"]
+        r.output_tokens, r.chunks, r.error = s["out"], s["out"], error
+        r.e2e_ms = (s["last"] - s["scheduled"]) * 1e3 if error is None else None
+        s["ended"] = t
+        done.append(s)
+        if concurrency:
+            free_at.append(t)
+
+    while True:
+        if reason is None:
+            send_due()
+        while waiting and len(running) < engine.cap:
+            head = waiting[0]
+            if engine.kv_tokens is not None:
+                if head["need"] > engine.kv_tokens:
+                    waiting.popleft()
+                    finish(head, f"prompt + max_tokens = {head['need']} tokens exceed the KV capacity "
+                                 f"({engine.kv_tokens} tokens)")
+                    if reason is None:
+                        send_due()
+                    continue
+                if kv_used + head["need"] > engine.kv_tokens:
+                    break
+                kv_used += head["need"]
+            running.append(waiting.popleft())
+        if not running:
+            if waiting:
+                continue
+            if reason is not None or cursor >= n or concurrency:
+                break
+            t_next = t0 + (reqs[cursor].arrival_s or 0.0)
+            if t_next > deadline:
+                t = deadline
+                break
+            t = engine.now = max(t, t_next)
+            continue
+        budget = engine.token_budget if engine.token_budget is not None else math.inf
+        decoding = [s for s in running if s["left"] == 0]
+        budget -= len(decoding)
+        chunks, prompt_tokens = [], 0
+        for s in running:
+            if s["left"] and budget > 0:
+                take = int(min(s["left"], budget))
+                chunks.append((s, take))
+                prompt_tokens += take
+                budget -= take
+        dt = engine.step_time_s(len(decoding), ctx_decoding, prompt_tokens)
+        engine.steps += 1
+        if t + dt > deadline:
+            t = deadline
+            break
+        t += dt
+        engine.now = t
+        for s in decoding:
+            s["res"].itl_ms.append((t - s["last"]) * 1e3)
+            s["last"], s["out"], s["ctx"] = t, s["out"] + 1, s["ctx"] + 1
+        ctx_decoding += len(decoding)
+        for s, take in chunks:
+            s["left"] -= take
+            if s["left"] == 0:
+                s["res"].ttft_ms = (t - s["scheduled"]) * 1e3
+                s["last"], s["out"], s["ctx"] = t, 1, len(s["req"].prompt_ids) + 1
+                ctx_decoding += s["ctx"]
+        ended = [s for s in running if s["out"] >= s["req"].max_tokens]
+        if ended:
+            running = [s for s in running if s["out"] < s["req"].max_tokens]
+            for s in ended:
+                kv_used -= s["need"] if engine.kv_tokens is not None else 0
+                ctx_decoding -= s["ctx"]
+                finish(s, None)
+            if should_stop is not None and reason is None:
+                reason = should_stop([d["res"] for d in done], n)
+                if reason is not None:
+                    finished_count = len(done)
+    engine.now = t
+    finished = done[:finished_count] if reason is not None else done
+    ids = {id(s) for s in finished}
+    if reason is not None:
+        results = [s["res"] for s in sent if id(s) in ids]
+    else:
+        results = []
+        for i, r in enumerate(reqs):
+            s = by_index[i]
+            if s is None:
+                results.append(RequestResult(index=r.index, prompt_tokens=len(r.prompt_ids),
+                                             error="not sent: run timed out"))
+                continue
+            if id(s) not in ids:
+                s["res"].output_tokens = s["res"].chunks = s["out"]
+                s["res"].error = f"timed out after {timeout_s:g}s"
+            results.append(s["res"])
+    end = max((s["ended"] for s in finished), default=t0)
+    return {"results": results, "duration_s": end - min((s["scheduled"] for s in sent), default=t0),
+            "stopped_reason": reason, "sent": len(sent),
+            "last_send_s": None if not sent else max(s["scheduled"] for s in sent) - t0}
+
+
+def test_the_counted_engine_serves_exactly_as_the_per_request_simulation() -> None:
+    """Open and closed loops, noise, per-batch tables, KV limits (rejections and blocking), token budgets that chunk
+    prompts, early stops and time-outs, runs back to back on one engine: every request's figures (TTFT, E2E, each
+    gap, tokens, errors), the run's duration, the clock and the step count are the old per-request simulation's, to
+    the last bit (same steps in the same order, same noise draws)."""
+    import dataclasses
+    import random
+
+    for case in range(60):
+        rng = random.Random(case)
+        model = StepModel(decode_base_s=rng.choice([0.0, 0.01]), decode_per_seq_s=0.002,
+                          decode_per_context_token_s=rng.choice([0.0, 2e-6]), prefill_base_s=0.003,
+                          prefill_per_token_s=1e-4, noise_sigma=rng.choice([0.0, 0.2]),
+                          decode_by_batch_s=rng.choice([(), ((1, 0.005), (2, 0.012), (4, 0.03))]))
+        cap = rng.choice([1, 2, 4, 8])
+        settings = {"kv_tokens": rng.choice([None, 400, 2000]), "token_budget": rng.choice([None, 2048, 64, cap])}
+        fast, plain = (SimulatedEngine(model, cap, seed=case, **settings) for _ in range(2))
+        for k in range(3):
+            reqs = [Request(i, "", tuple(range(rng.randint(0, 300))), rng.randint(1, 40), None)
+                    for i in range(rng.randint(1, 150))]
+            closed = rng.random() < 0.5
+            kw = {"concurrency": rng.randint(1, 6) if closed else None, "timeout_s": rng.choice([3600.0, 2.0])}
+            stop_at = rng.choice([None, 5, 40])
+            if stop_at:
+                kw["should_stop"] = lambda f, total, at=stop_at: f"{len(f)} finished" if len(f) >= at else None
+            reqs = with_arrivals(reqs, None if closed else rng.uniform(1, 50), "poisson", k)
+            got, want = fast.run(reqs, **kw), plain_run(plain, reqs, **kw)
+            assert [dataclasses.asdict(r) for r in got.results] == [dataclasses.asdict(r) for r in want["results"]]
+            assert (got.duration_s, got.stopped_reason, got.sent, got.last_send_s) == (
+                want["duration_s"], want["stopped_reason"], want["sent"], want["last_send_s"]), case
+            assert (fast.now, fast.steps) == (plain.now, plain.steps), case
+
+
+def test_the_counted_early_stop_decides_as_the_padded_recount() -> None:
+    """certain_miss counts the finished requests as they come; its decision after every completion is the one
+    recounted from scratch over the padded list (bound_verdict / attainment_verdict on the finished steady
+    requests plus a perfect request for each still to finish), including when the list it gets is not the one it
+    counted before (started afresh)."""
+    import random
+
+    from tuner.measure.capacity import certain_miss
+    from tuner.measure.metrics import RequestResult, meets_slo
+    from tuner.slo import parse_slo_terms
+    from tuner.stats import MISSES, attainment_verdict, bound_verdict
+
+    def recount(slo: SLO, ramp: int, conf: float, finished: list, total: int) -> bool:
+        steady = [r for r in finished if r.index >= ramp]
+        if len(steady) < 4:
+            return False
+        best = RequestResult(index=-1, prompt_tokens=1, output_tokens=2, ttft_ms=0.0, e2e_ms=0.0)
+        padded = steady + [best] * max(0, total - ramp - len(steady))
+        for b in slo.bounds:
+            if b.stat == "mean" or b.metric == "itl":
+                continue
+            values = [math.inf if not r.ok else (r.tpot_ms if b.metric == "tpot" else getattr(r, f"{b.metric}_ms"))
+                      for r in padded]
+            if bound_verdict([v for v in values if v is not None], b.stat, b.limit_ms, conf) == MISSES:
+                return True
+        if slo.targets_ms:
+            good = sum(meets_slo(r, slo.targets) for r in padded)
+            return attainment_verdict(good, len(padded), slo.attainment, conf) == MISSES
+        return False
+
+    decided = 0
+    for case in range(40):
+        rng = random.Random(case)
+        bounds, targets = parse_slo_terms(rng.choice(["ttft:p99<300ms", "ttft:p90<300ms;tpot:p50<20ms",
+                                                      "e2e:p95<2s;itl:p90<50ms", "ttft<300ms;tpot<30ms"]))
+        slo = SLO(tuple(bounds), tuple(targets.items()), 0.9 if targets else None)
+        ramp, total, conf = rng.randint(0, 20), rng.randint(30, 300), rng.choice([0.95, 0.999])
+        stop = certain_miss(slo, ramp, conf)
+        late, finished = rng.random() * 0.3, []
+        for i in rng.sample(range(total), total):
+            ok = rng.random() > 0.02
+            ttft = rng.uniform(0, 280) if rng.random() > late else rng.uniform(300, 900)
+            finished.append(RequestResult(index=i, prompt_tokens=5, output_tokens=rng.choice([1, 2, 30]) if ok else 0,
+                                          ttft_ms=ttft if ok else None, e2e_ms=ttft + rng.uniform(0, 2500) if ok
+                                          else None, error=None if ok else "failed"))
+            if rng.random() < 0.03:
+                finished = finished[: len(finished) // 2]  # another list: counted afresh
+            said = stop(list(finished), total)
+            assert (said is not None) == recount(slo, ramp, conf, finished, total), (case, len(finished))
+            decided += said is not None
+    assert decided > 100  # the cases reach the stop often, not only the waits before it

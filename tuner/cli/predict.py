@@ -75,11 +75,33 @@ def check_args(args: argparse.Namespace, config: Any) -> None:
             raise TunerError(f"--at-share {r} is invalid: expected a share of the predicted capacity in (0, 10]")
 
 
+class TokenIdsOnly:
+    """A tokenizer whose `decode` gives no text: the prompts `bench_prompts` builds with it have the same token ids
+    (the same seed, windows and lengths) and an empty text, which a simulated engine never reads (decoding the
+    ~40,000 prompts of a tail SLO's lifted capacity pool took 3 s, most of a prediction). The last text encoded is
+    kept (every pool is a window into the one corpus: a search builds a pool per batch cap)."""
+
+    last: list[Any] = []  # [tokenizer, text, kwargs, encoding] of the last call
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: Any, **kwargs: Any) -> Any:
+        last = TokenIdsOnly.last
+        if not (last and last[0] is self.tokenizer and last[1] == text and last[2] == kwargs):
+            TokenIdsOnly.last = [self.tokenizer, text, kwargs, self.tokenizer(text, **kwargs)]
+        return TokenIdsOnly.last[3]
+
+    def decode(self, ids: Any, **_: Any) -> str:
+        return ""
+
+
 def capacity_pool(config: Any, spec: Any, options: Any, tokenizer: Any) -> list[Any]:
-    """The prompts `tuner bench --capacity` builds for this workload (same seed, same prompts, same order)."""
+    """The prompts `tuner bench --capacity` builds for this workload (same seed, same prompts, same order), as
+    token ids: their text is left empty (the simulated engine reads token counts only)."""
     from tuner.measure.bench import bench_prompts
 
-    return bench_prompts(config, spec, tokenizer, options)[0]
+    return bench_prompts(config, spec, TokenIdsOnly(tokenizer), options)[0]
 
 
 def bench_requests(config: Any, spec: Any, tokenizer: Any, rate: float) -> tuple[list[Any], list[Any]]:

@@ -19,6 +19,7 @@ the band widened each way by (f - 1) x the predicted rate, f the largest ratio b
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ CURVE_REQUESTS = 120
 REPLICATES = 4  # simulations with resampled fit parameters behind a band
 SPEED_DRIFT = 0.2  # the band's engine speed: every step x 1.2 and / 1.2 (see the module docstring)
 HOST_NOTE = "the host was busy"  # CapacitySearch's note on the real host's CPU load: meaningless in virtual time
+SEARCHES_KEPT = 1024  # simulated capacity searches remembered (a whole llama.cpp space's points: 420)
 
 
 def token_budget(config: Any) -> int:
@@ -55,13 +57,38 @@ def speed_models(model: StepModel, speed_drift: float) -> list[StepModel]:
     return [scaled(model, 1 + speed_drift), scaled(model, 1 / (1 + speed_drift))] if speed_drift > 0 else []
 
 
+def pool_digest(pool: Sequence[Request]) -> str:
+    """What a simulated capacity search reads of its pool, hashed: each prompt's token count and output length, in
+    order (the text and arrival times are not read: the search re-times the requests it takes)."""
+    import hashlib
+    from array import array
+
+    lengths = array("q", [len(r.prompt_ids) for r in pool]) + array("q", [r.max_tokens for r in pool])
+    return hashlib.blake2b(lengths.tobytes(), digest_size=16).hexdigest()
+
+
+_SEARCHES: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()  # the last SEARCHES_KEPT searches
+
+
 def simulated_capacity(model: StepModel, batch_cap: int, pool: Sequence[Request], options: CapacityOptions,
                        budget: int | None, seed: int) -> dict[str, Any]:
-    """One capacity search in virtual time; the real host's CPU accounting (meaningless here) left out."""
+    """One capacity search in virtual time; the real host's CPU accounting (meaningless here) left out. A pure
+    function of its arguments (the simulation is deterministic for a seed): the last `SEARCHES_KEPT` are kept and a
+    repeated one is a copy of the first (the search strategy simulates each point, then its band with the point
+    again)."""
+    import copy
+
+    key = (model, batch_cap, pool_digest(pool), options, budget, seed)
+    if key in _SEARCHES:
+        _SEARCHES.move_to_end(key)
+        return copy.deepcopy(_SEARCHES[key])
     engine = SimulatedEngine(model, batch_cap, token_budget=budget, seed=seed)
     result = CapacitySearch(engine.run, pool, batch_cap, options, clock=engine.clock).search()
     result.pop("host", None)
     result["notes"] = [n for n in result["notes"] if not n.startswith(HOST_NOTE)]
+    _SEARCHES[key] = copy.deepcopy(result)
+    while len(_SEARCHES) > SEARCHES_KEPT:
+        _SEARCHES.popitem(last=False)
     return result
 
 
@@ -120,10 +147,12 @@ def extrapolation(profile: dict[str, Any], batch_cap: int, pool: Sequence[Reques
 def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], options: CapacityOptions,
             replicates: int = REPLICATES, seed: int = 0, rates: Sequence[float] = (), shares: Sequence[float] = (),
             requests_at: Callable[[float], tuple[Sequence[Request], Sequence[Request]]] | None = None,
-            speed_drift: float = SPEED_DRIFT, history: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+            speed_drift: float = SPEED_DRIFT, history: Sequence[dict[str, Any]] = (), curve: bool = True
+            ) -> dict[str, Any]:
     """The predicted capacity of `config` under `options` on the capacity pool `pool`, its band, a latency-load
-    curve, and the figures `tuner bench --rate R` would measure at each of `rates` and at each of `shares` x the
-    predicted capacity (x the saturation rate when no rate meets), `requests_at(R)` giving its (requests, warm-up)."""
+    curve (`curve`; else `curve` is []), and the figures `tuner bench --rate R` would measure at each of `rates` and
+    at each of `shares` x the predicted capacity (x the saturation rate when no rate meets), `requests_at(R)` giving
+    its (requests, warm-up)."""
     cap = config.batch_cap
     budget = token_budget(config)
     base = step_model(profile)
@@ -146,12 +175,12 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
     sat = point["saturation"]["requests_per_s"]
     n = min(CURVE_REQUESTS, len(pool))
     ramp = max(1, int(options.ramp_fraction * n))
-    curve = []
-    for share in CURVE_SHARES:
+    points = []
+    for share in CURVE_SHARES if curve else ():
         r = share * sat
         runs = [simulated_run(m, cap, pool[:n], (), r, options.arrival, options.seed, seed + i, budget, ramp)
                 for i, m in enumerate([base, *models])]
-        curve.append(dict(with_bands(runs[0], runs[1:]), share_of_saturation=share))
+        points.append(dict(with_bands(runs[0], runs[1:]), share_of_saturation=share))
     fixed = []
     wanted = [(r, None) for r in rates] + [(sh * (rate or sat), sh) for sh in shares]
     for r, share in wanted if requests_at is not None else []:
@@ -167,7 +196,7 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
                      "verdict": point["verdict"], "saturation_rps": sat,
                      "replicates": [r["requests_per_s"] for r in reps[:replicates]],
                      "speed": [r["requests_per_s"] for r in reps[replicates:]]},
-        "curve": curve,
+        "curve": points,
         "at_rates": fixed,
         "search": point,
         "profile": profile["id"],

@@ -26,6 +26,7 @@ the same sequence of runs. Per step the work is O(running requests).
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections import deque
@@ -104,20 +105,22 @@ class StepModel:
 
 
 class _Seq:
-    """One request inside the simulation."""
+    """One request inside the simulation. Its decoding is kept as step indices: every running sequence past its
+    prompt decodes one token in every step, so its first token's step `first` says how many it has (`out`) at any
+    step and the step it finishes; its gaps are the step times between."""
 
-    __slots__ = ("req", "result", "scheduled", "prompt_left", "ctx", "out", "last", "need", "ended_s")
+    __slots__ = ("req", "result", "scheduled", "prompt_left", "plen", "need", "first", "order", "ended_s")
 
     def __init__(self, req: Request, scheduled: float, t0: float) -> None:
         self.req = req
         self.scheduled = scheduled
-        self.prompt_left = max(1, len(req.prompt_ids))  # an empty prompt still takes one token (BOS)
-        self.ctx = 0  # tokens in its KV cache once it decodes
-        self.out = 0
-        self.last = scheduled
+        self.plen = len(req.prompt_ids)
+        self.prompt_left = max(1, self.plen)  # an empty prompt still takes one token (BOS)
         self.need = self.prompt_left + req.max_tokens  # KV reserved at admission
+        self.first = -1  # the step (index within the run) of its first token; -1 before
+        self.order = 0  # admission order (ties between sequences finishing in one step)
         self.ended_s: float | None = None  # when it finished (virtual seconds)
-        self.result = RequestResult(index=req.index, prompt_tokens=len(req.prompt_ids), send_s=scheduled - t0,
+        self.result = RequestResult(index=req.index, prompt_tokens=self.plen, send_s=scheduled - t0,
                                     dispatch_lag_ms=0.0)
 
 
@@ -137,6 +140,7 @@ class SimulatedEngine:
         self.rng = random.Random(f"simulated-engine-{seed}")
         self.now = 0.0
         self.steps = 0  # steps simulated so far, all runs together
+        self.batch_times = [model.batch_s(k) for k in range(batch_cap + 1)]  # a decoding step's base, per batch
 
     def clock(self) -> float:
         """Virtual seconds since the engine was made (advanced by each run, and during one)."""
@@ -151,22 +155,41 @@ class SimulatedEngine:
             should_stop: Callable[[list[RequestResult], int], str | None] | None = None,
             **_: Any) -> LoadResult:
         """Serve `requests` (open loop at their `arrival_s`, or closed loop at `concurrency`) from the current
-        virtual time; the same contract as tuner.measure.loadgen.run_load (extra keywords such as `progress` ignored)."""
+        virtual time; the same contract as tuner.measure.loadgen.run_load (extra keywords such as `progress` ignored).
+
+        Per step the work is O(1) plus the prompts in it: the decoding sequences are counted (`decoding`, their
+        context `ctx_decoding`), not visited; each one's finishing step is known when its first token comes (a heap),
+        and its gaps are a slice of the run's step gaps (`gaps_ms`, the same differences of step end times)."""
         t0 = self.now
         n = len(requests)
         deadline = t0 + timeout_s
         seqs: list[_Seq | None] = [None] * n
         sent: list[_Seq] = []
         waiting: deque[_Seq] = deque()
-        running: list[_Seq] = []
+        prefilling: list[_Seq] = []  # running, prompt not done (admission order)
+        ending: list[tuple[int, int, _Seq]] = []  # (finishing step, admission order, seq) of the decoding ones
         done: list[_Seq] = []  # in the order they finished
+        done_results: list[RequestResult] = []
         free_at: deque[float] = deque([t0] * concurrency) if concurrency else deque()
+        cap, kv_cap = self.cap, self.kv_tokens
+        model = self.model
+        batch_times = self.batch_times
+        per_ctx, pre_base, pre_tok = model.decode_per_context_token_s, model.prefill_base_s, model.prefill_per_token_s
+        sigma = model.noise_sigma
+        mu = -sigma * sigma / 2.0
+        lognorm = self.rng.lognormvariate
+        budget_cap = self.token_budget
+        gaps_ms: list[float] = []  # per step of this run: its end minus the previous step's end, ms
         kv_used = 0
-        ctx_decoding = 0  # context tokens of the running requests past their prompt
+        decoding = 0  # running requests past their prompt
+        ctx_decoding = 0  # their context tokens
+        admitted = 0
         cursor = 0  # next request to send
         reason: str | None = None
         finished_count = 0  # requests finished when `should_stop` ended the run
         t = t0
+        t_prev = t0  # the previous step's end
+        step = -1  # this run's last step
 
         def send_due() -> None:
             nonlocal cursor
@@ -186,33 +209,40 @@ class SimulatedEngine:
                 waiting.append(s)
                 cursor += 1
 
-        def finish(s: _Seq, error: str | None) -> None:
+        def finish(s: _Seq, out: int, error: str | None) -> None:
             r = s.result
-            r.output_tokens, r.chunks, r.error = s.out, s.out, error
-            r.e2e_ms = (s.last - s.scheduled) * 1e3 if error is None else None
+            r.output_tokens, r.chunks, r.error = out, out, error
+            if error is None:
+                r.e2e_ms = (t - s.scheduled) * 1e3
+                r.itl_ms = gaps_ms[s.first + 1:step + 1]
             s.ended_s = t
             done.append(s)
+            done_results.append(r)
             if concurrency:
                 free_at.append(t)
 
         while True:
-            if reason is None:
-                send_due()
-            while waiting and len(running) < self.cap:  # admission, FCFS
+            if reason is None and cursor < n and (free_at if concurrency
+                                                  else t0 + (requests[cursor].arrival_s or 0.0) <= t):
+                send_due()  # only when one is due (free_at: a closed loop's free slots)
+            while waiting and len(prefilling) + decoding < cap:  # admission, FCFS
                 head = waiting[0]
-                if self.kv_tokens is not None:
-                    if head.need > self.kv_tokens:
+                if kv_cap is not None:
+                    if head.need > kv_cap:
                         waiting.popleft()
-                        finish(head, f"prompt + max_tokens = {head.need} tokens exceed the KV capacity "
-                                     f"({self.kv_tokens} tokens)")
+                        finish(head, 0, f"prompt + max_tokens = {head.need} tokens exceed the KV capacity "
+                                        f"({kv_cap} tokens)")
                         if reason is None:
                             send_due()
                         continue
-                    if kv_used + head.need > self.kv_tokens:
+                    if kv_used + head.need > kv_cap:
                         break
                     kv_used += head.need
-                running.append(waiting.popleft())
-            if not running:
+                s = waiting.popleft()
+                s.order = admitted
+                admitted += 1
+                prefilling.append(s)
+            if not prefilling and not decoding:
                 if waiting:  # only when every waiting request was rejected above and more were sent: go round
                     continue
                 if reason is not None or cursor >= n:
@@ -227,47 +257,54 @@ class SimulatedEngine:
                 self.now = t
                 continue
             # one step: decodes first, then prompt tokens (whole, or what the token budget leaves)
-            budget = (self.token_budget if self.token_budget is not None else math.inf)
-            decoding = [s for s in running if s.prompt_left == 0]
-            budget -= len(decoding)
-            chunks: list[tuple[_Seq, int]] = []
             prompt_tokens = 0
-            for s in running:
-                if s.prompt_left and budget > 0:
+            chunks: list[tuple[_Seq, int]] = []
+            if prefilling:
+                budget = math.inf if budget_cap is None else budget_cap - decoding
+                for s in prefilling:
+                    if budget <= 0:
+                        break
                     take = int(min(s.prompt_left, budget))
                     chunks.append((s, take))
                     prompt_tokens += take
                     budget -= take
-            dt = self.step_time_s(len(decoding), ctx_decoding, prompt_tokens)
+            dt = batch_times[decoding] + per_ctx * ctx_decoding
+            if prompt_tokens:
+                dt += pre_base + pre_tok * prompt_tokens
+            if sigma > 0:
+                dt *= lognorm(mu, sigma)
             self.steps += 1
             if t + dt > deadline:
                 t = deadline
                 break
             t += dt
             self.now = t
-            for s in decoding:
-                s.result.itl_ms.append((t - s.last) * 1e3)
-                s.last = t
-                s.out += 1
-                s.ctx += 1
-            ctx_decoding += len(decoding)
+            step += 1
+            gaps_ms.append((t - t_prev) * 1e3)
+            t_prev = t
+            ctx_decoding += decoding
+            started = False
             for s, take in chunks:
                 s.prompt_left -= take
                 if s.prompt_left == 0:  # its first token
                     s.result.ttft_ms = (t - s.scheduled) * 1e3
-                    s.last = t
-                    s.out = 1
-                    s.ctx = len(s.req.prompt_ids) + 1
-                    ctx_decoding += s.ctx
-            ended = [s for s in running if s.out >= s.req.max_tokens]
-            if ended:
-                running = [s for s in running if s.out < s.req.max_tokens]
-                for s in ended:
-                    kv_used -= s.need if self.kv_tokens is not None else 0
-                    ctx_decoding -= s.ctx
-                    finish(s, None)
+                    s.first = step
+                    started = True
+                    decoding += 1
+                    ctx_decoding += s.plen + 1
+                    heapq.heappush(ending, (step + max(s.req.max_tokens, 1) - 1, s.order, s))
+            if started:
+                prefilling = [s for s in prefilling if s.prompt_left]
+            if ending and ending[0][0] == step:
+                while ending and ending[0][0] == step:
+                    s = heapq.heappop(ending)[2]
+                    if kv_cap is not None:
+                        kv_used -= s.need
+                    decoding -= 1
+                    ctx_decoding -= s.plen + 1 + step - s.first
+                    finish(s, step - s.first + 1, None)
                 if should_stop is not None and reason is None:
-                    reason = should_stop([d.result for d in done], n)
+                    reason = should_stop(list(done_results), n)
                     if reason is not None:
                         finished_count = len(done)
         self.now = t
@@ -284,7 +321,10 @@ class SimulatedEngine:
                                                  error="not sent: run timed out"))
                     continue
                 if id(seq) not in finished_ids:
-                    seq.result.output_tokens = seq.result.chunks = seq.out
+                    out = step - seq.first + 1 if seq.first >= 0 else 0
+                    seq.result.output_tokens = seq.result.chunks = out
+                    if seq.first >= 0:
+                        seq.result.itl_ms = gaps_ms[seq.first + 1:step + 1]
                     seq.result.error = f"timed out after {timeout_s:g}s"
                 results.append(seq.result)
         end = max((s.ended_s for s in finished if s.ended_s is not None), default=t0)
