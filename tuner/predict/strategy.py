@@ -398,7 +398,7 @@ class PredictStrategy:
                 requests = self.pool(config, options)
                 t = time.perf_counter()
                 got = predict(self.by_id[p.profile], config, requests, options, replicates=BAND_REPLICATES,
-                              seed=self.seed, history=histories.get(p.profile) or ())
+                              seed=self.seed, history=histories.get(p.profile) or (), curve=False)
                 spent += time.perf_counter() - t
                 lo, hi = got["capacity"]["band"]
                 extra = [n for n in got["notes"] if n.startswith(("extrapolated", "the band is widened"))]
