@@ -1,5 +1,16 @@
-"""Accuracy of the capacity model on llama.cpp (issue 26's benchmark): fitted on engine profiles only, scored on a
-measured grid it was not fitted on.
+"""Accuracy of the capacity model (issue 26's benchmark): fitted on engine profiles only, scored on a measured grid it
+was not fitted on. Two engines:
+
+* **transformers** (`--engine transformers --grid benchmarks/data/capacity-grid-smollm2-cpu.json`): the committed
+  grid of bench_search.py (24 configurations measured for real with `tuner bench --capacity`, on an earlier day: the
+  host's drift since is part of the error). Every configuration without a draft (20) is predicted from the profile of
+  its format alone (one per format, at the grid's widest batch cap: `tuner predict` measures it first or reads the
+  cache), with the grid's workload (bench_search's `--input-len 32:128 --output-len 16:32`), SLO, probes, arrivals
+  and confidence; the probe sizes today's capacity search needs for that SLO and its default budget (the grid's
+  30:45 requests per probe give no 'meets' at p90 under today's rules; `--grid-method` uses them and its 90 s
+  budget anyway). Drafts are not predicted (no profile of speculative decoding) and are listed as such. Nothing is
+  measured here.
+* **llama.cpp** (default): the grid below, each configuration predicted and measured here.
 
 For each configuration of the grid (weight type x `-np` x KV type): `tuner predict` (the engine profile of that
 format, measured once per format or read from the cache; the point prediction uses the profile alone: the
@@ -14,9 +25,14 @@ whatever the neighbours did then (the bench's own host and canary lines say how 
 earlier may be off by the host's drift. Measured capacities are kept in --measured-cache (JSON, keyed by the
 configuration and the flags) so a rerun re-scores without measuring again (--remeasure to measure anyway).
 
+A measured capacity of 0 (no rate shown to meet the SLO within the budget) has no relative error: it is counted in
+Spearman's rho and the top 3, and said beside the prediction.
+
 Usage: .venv/bin/python benchmarks/bench_predict_accuracy.py [--quants Q8_0,Q4_0] [--caps 1,4] [--kv-types auto]
        [--threads 1] [--slo "e2e:p50<20s"] [--probe-requests 8:12] [--max-probes 3] [--capacity-timeout 5m]
        [--input-len 64:128] [--output-len 16:32] [--measured-cache FILE] [--remeasure] [--json out.json]
+       .venv/bin/python benchmarks/bench_predict_accuracy.py --engine transformers
+       --grid benchmarks/data/capacity-grid-smollm2-cpu.json [--refresh-profile] [--json out.json]
 """
 
 from __future__ import annotations
@@ -75,8 +91,120 @@ def score(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+GRID_WORKLOAD = ["--input-len", "32:128", "--output-len", "16:32"]  # bench_search.py grid's defaults
+GRID_BUDGET = "90s"  # bench_search.py grid's --capacity-timeout (a search trial's budget)
+
+
+def grid_flags(grid: dict[str, Any], as_measured: bool) -> list[str]:
+    """The capacity flags to predict the grid with: its SLO, probes, arrivals and confidence; with `as_measured`
+    also its probe sizes and budget (the rules of its day: today's search needs more requests per probe for a
+    'meets' at p90 and would predict 0 everywhere with them), otherwise the sizes today's search picks for the SLO
+    and the default budget (virtual time: the prediction is of the capacity, not of a 90 s budget's truncation)."""
+    methods = {json.dumps(r["capacity"]["method"], sort_keys=True) for r in grid["rows"] if r.get("capacity")}
+    if len(methods) != 1:
+        raise SystemExit(f"the grid's rows were measured with {len(methods)} methods: expected one")
+    m = json.loads(methods.pop())
+    lo, hi = m["probe_requests"]
+    flags = ["--slo", grid["slo"], "--max-probes", str(m["max_probes"]), "--arrival", m["arrival"], "--confidence",
+             str(m["confidence"])]
+    return flags + (["--probe-requests", f"{lo}:{hi}", "--capacity-timeout", GRID_BUDGET] if as_measured else [])
+
+
+def profile_cost(path: str | None) -> float | None:
+    try:
+        return json.loads(Path(path or "").read_text())["cost_s"]["total"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def transformers_grid(args: argparse.Namespace) -> int:
+    """Predict every configuration of a measured transformers grid without a draft; score against its capacities."""
+    grid_path = Path(args.grid)
+    grid = json.loads(grid_path.read_text())
+    flags = grid_flags(grid, args.grid_method)
+    rows: list[dict[str, Any]] = []
+    profiles: dict[str, dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    print(f"grid {grid_path} (measured for real on an earlier day: the host's drift since is part of the error), SLO "
+          f"{grid['slo']}; every prediction from this host's profile of its format; predicted with "
+          f"{' '.join(flags)}" + ("" if args.grid_method else " (today's probe sizes for the SLO, the default budget; "
+                                  "--grid-method for the grid's own)"), flush=True)
+    # widest cap first: the format's profile is measured at it and serves the narrower caps from the cache
+    ordered = sorted(grid["rows"], key=lambda r: (r["knobs"]["quant"], -r["knobs"]["batch_cap"]))
+    for r in ordered:
+        k = r["knobs"]
+        name = f"{k['quant']} cap {k['batch_cap']} kv {k['kv_fraction']}" + (
+            f" draft {k['draft']}" if k["draft"] != "none" else "")
+        cap = r.get("capacity") or {}
+        row: dict[str, Any] = {"name": name, **k, "measured_rps": cap.get("requests_per_s"),
+                               "measured_ci": cap.get("requests_per_s_ci"), "measured_verdict": cap.get("verdict")}
+        if k["draft"] != "none" or r.get("status") != "ok":
+            row["not_predicted"] = "a draft: no profile of speculative decoding" if k["draft"] != "none" else \
+                f"not measured in the grid ({r.get('reason')})"
+            rows.append(row)
+            print(f"{name}: measured {row['measured_rps']} req/s; not predicted ({row['not_predicted']})", flush=True)
+            continue
+        refresh = args.refresh_profile and k["quant"] not in profiles
+        config = ["--model", MODEL, "--engine", "transformers", "--quant", k["quant"], "--batch-cap",
+                  str(k["batch_cap"]), "--kv-fraction", str(k["kv_fraction"])]
+        pred, pred_s, err = tuner_json("predict", *config, *GRID_WORKLOAD, *flags,
+                                       *(["--refresh-profile"] if refresh else []))
+        row["predict_command_s"] = pred_s
+        if pred is None:
+            row["predict_error"] = err
+        else:
+            row.update(predicted_rps=pred["capacity"]["requests_per_s"], predicted_band=pred["capacity"]["band"],
+                       predicted_verdict=pred["capacity"]["verdict"],
+                       predicted_extrapolated=pred["capacity"].get("extrapolated"), profile=pred["profile"],
+                       profile_cached=pred.get("profile_cached"), predict_s=pred.get("predict_s"))
+            if k["quant"] not in profiles:
+                profiles[k["quant"]] = {"id": pred["profile"], "cached": pred.get("profile_cached"),
+                                        "cost_s": profile_cost(pred.get("profile_path")),
+                                        "measured_at": pred["calibration"].get("profile_measured_at")}
+            m = row["measured_rps"]
+            row["signed_error"] = (row["predicted_rps"] - m) / m if m else None
+            band = row["predicted_band"]
+            row["within_band"] = m is not None and band[0] is not None and band[0] <= m <= band[1]
+        rows.append(row)
+        pr = row.get("predicted_rps")
+        print(f"{name}: predicted {'-' if pr is None else f'{pr:.3f}'} req/s "
+              f"{[round(x, 3) for x in row.get('predicted_band') or [] if x is not None]}"
+              + (" (extrapolated)" if row.get("predicted_extrapolated") else "")
+              + f"; measured {row['measured_rps']:.3f} req/s ({row['measured_verdict']})"
+              + (f"; error {row['signed_error']:+.0%}" if row.get("signed_error") is not None else
+                 "; no relative error (measured 0)" if pr is not None else "")
+              + (f"; predict failed: {row['predict_error']}" if row.get("predict_error") else ""), flush=True)
+    for q, p in profiles.items():
+        cost = "-" if p["cost_s"] is None else f"{p['cost_s']:.0f} s"
+        print(f"profile of {q}: {p['id']} ({'cached' if p['cached'] else 'measured now'}, {p['measured_at']}, "
+              f"took {cost})")
+    scored = [r for r in rows if "not_predicted" not in r]
+    s = score(scored)
+    zeros = [r for r in scored if r.get("measured_rps") == 0 and r.get("predicted_rps") is not None]
+    zero_preds = ", ".join(f"{r['predicted_rps']:.2f}" for r in zeros) or "-"
+    fmt = {k: ("-" if s.get(k) is None else f"{s[k]:.0%}" if k != "spearman_rho" else f"{s[k]:.2f}")
+           for k in GOALS}
+    print(f"transformers grid: {len(rows)} configurations, {len(scored)} predicted (drafts not), {s['n']} with a "
+          f"prediction and a measured capacity; {len(zeros)} measured 0 (no relative error; predicted "
+          f"{zero_preds}), SLO {grid['slo']}, "
+          f"{time.perf_counter() - t0:.0f} s: |predicted - measured| / measured over the {s['n_with_error']} others "
+          f"median {fmt['median_abs']} (goal <= 10%), p90 {fmt['p90_abs']} (goal <= 20%); Spearman rho "
+          f"{fmt['spearman_rho']} (goal >= 0.9); the measured best ({s.get('measured_best', '-')}) within the "
+          f"predicted top 3 ({', '.join(s.get('predicted_top3') or [])}): {s['best_in_top3']}. Measured: the grid "
+          f"(an earlier day); predicted: now, from profiles only.")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "score": s, "profiles": profiles, "args": vars(args)},
+                                              indent=2))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=("llamacpp", "transformers"), default="llamacpp")
+    ap.add_argument("--grid", help="transformers: the measured grid (bench_search.py grid's JSON) to score against")
+    ap.add_argument("--refresh-profile", action="store_true", help="transformers: measure each format's profile anew")
+    ap.add_argument("--grid-method", action="store_true", help="transformers: predict with the grid's own probe sizes "
+                    "and 90 s budget (the capacity rules of its day)")
     ap.add_argument("--quants", default="Q8_0,Q4_0")
     ap.add_argument("--caps", default="1,4", help="-np values (default 1,4)")
     ap.add_argument("--kv-types", default="auto")
@@ -93,6 +221,10 @@ def main() -> int:
     ap.add_argument("--no-measure", action="store_true", help="predict only; score what the cache holds")
     ap.add_argument("--json", help="write every figure as JSON")
     args = ap.parse_args()
+    if args.engine == "transformers":
+        if not args.grid:
+            ap.error("--engine transformers needs --grid (e.g. benchmarks/data/capacity-grid-smollm2-cpu.json)")
+        return transformers_grid(args)
     cache_path = Path(args.measured_cache)
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     capacity = ["--slo", args.slo, "--probe-requests", args.probe_requests, "--max-probes", args.max_probes,

@@ -10,8 +10,10 @@ BASE = ["--model", "smollm2-135m", "--slo", "ttft:p90<2s"]
 
 
 @pytest.mark.parametrize("args,needles", [
-    (["predict", *BASE, "--engine", "transformers"], ["--engine 'transformers'", "expected --engine llamacpp"]),
-    (["profile", "--model", "smollm2-135m", "--engine", "transformers"], ["expected --engine llamacpp"]),
+    (["predict", *BASE, "--engine", "vllm"], ["--engine 'vllm'", "expected --engine transformers or llamacpp"]),
+    (["profile", "--model", "smollm2-135m", "--engine", "vllm"], ["expected --engine transformers or llamacpp"]),
+    (["profile", "--model", "smollm2-135m", "--draft", "ngram:3"], ["--draft 'ngram:3'", "expected --draft none"]),
+    (["predict", *BASE, "--draft", "ngram:3"], ["--draft 'ngram:3'", "expected --draft none"]),
     (["predict", *BASE, "--engine", "llamacpp", "--at-share", "0"], ["--at-share 0.0 is invalid"]),
     (["predict", *BASE, "--engine", "llamacpp", "--replicates", "-1"], ["--replicates -1 is invalid"]),
     (["predict", "--model", "smollm2-135m", "--engine", "llamacpp"], ["no latency target"]),

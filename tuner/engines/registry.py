@@ -85,7 +85,7 @@ class Backend:
 ENGINES: dict[str, Backend] = {b.name: b for b in (
     Backend("transformers", "tuner.engines.transformers", "tuner.quality.transformers", "tuner.config:FORMATS",
             ("auto",), "bf16", "fp32", "fp32", ("cpu.yaml", "cuda.yaml"), server=False, launched=True,
-            export_to=None, profiled=False),
+            export_to=None, profiled=True),
     Backend("llamacpp", "tuner.engines.llamacpp", "tuner.quality.llamacpp", "tuner.config:GGUF_TYPES",
             ("auto", "f32", "f16", "bf16", "q8_0", "q4_0"), "F16", "F16", "F32",
             ("llamacpp-cpu.yaml", "llamacpp-cuda.yaml"), server=True, launched=True, export_to="llamacpp",
