@@ -121,6 +121,7 @@ MODULE_TIERS = {
     "test_llamacpp.py": {"server"},
     "test_llamacpp_quality.py": {"server", "model"},
     "test_lm_eval_crosscheck.py": {"model"},
+    "test_predict_profile_transformers.py": {"model"},  # a real transformers profile, predict and tuner bench --rate
     "test_reliability.py": {"search"},
     "test_search_e2e.py": {"search"},
     "test_vllm.py": {"server"},
@@ -147,6 +148,10 @@ TEST_TIERS = {
     # unit in a heavier module: refused before any model is touched (0.1-0.3 s each; checked by the guard)
     "test_bench_integration.py::test_bad_input_one_line_exit_2": set(),
     "test_reliability.py::test_dashboard_binds_to_localhost_by_default": set(),
+    "test_predict_profile_transformers.py::test_the_key_names_the_build_the_checkpoint_the_format_and_the_host": set(),
+    "test_predict_profile_transformers.py::test_a_draft_is_refused_in_one_line_before_anything_is_measured": set(),
+    "test_predict_profile_transformers.py::test_a_profile_of_another_build_or_host_is_measured_again_with_a_note":
+        set(),
 }
 GUARDED = {"unit", "slow"}  # a test with no other tier may not load a model or start an engine, browser or DB
 TIERS = pytest.StashKey[set]()

@@ -386,6 +386,11 @@ def load_or_measure(config: TrialConfig, batch_cap: int, refresh: bool = False,
     cached = read_profile(path) if path.exists() else None
     if path.exists() and cached is None:
         notes.append(f"the cached profile {path} was unreadable or of another version: measured again")
+    if cached is not None and cached.get("key") != key:  # under this key's name, measured under another
+        notes.append(f"the cached profile {path} was measured for another "
+                     f"{' and '.join(differs(cached.get('key') or {}, key))} ({cached.get('measured_at')}): not "
+                     "reused here, measured again")
+        cached = None
     if cached is not None:
         if not refresh and cached["batch_cap"] >= batch_cap:
             return dict(cached, cached=True, path=str(path))
@@ -394,6 +399,8 @@ def load_or_measure(config: TrialConfig, batch_cap: int, refresh: bool = False,
                      "again")
         batch_cap = max(batch_cap, cached["batch_cap"])  # the new profile covers what the cached one did
     for other, prof in other_profiles(key):
+        if other == path:
+            continue  # said above
         notes.append(f"a profile of this model and format from another {' and '.join(differs(prof['key'], key))} "
                      f"({other.name}, measured {prof.get('measured_at')}) is not reused here: measured again")
     log(f"profiling {config.model} {config.quant} on {config.engine} at {side(config).cap_name} {batch_cap} "
