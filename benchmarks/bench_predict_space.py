@@ -1,0 +1,247 @@
+"""Seconds to predict: one configuration (`tuner predict`, as a user runs it, and in process with the tail SLO's
+lifted budget, the ~20 s case of issue 26) and the whole llama.cpp space (search_spaces/llamacpp-cpu.yaml) through
+the code `tuner search --strategy predict` runs (PredictStrategy.prepare: enumerate, predict_group, band_all).
+Goals (issue 26): <= 2 s per configuration, the whole space <= 60 s. Every capacity here is PREDICTED.
+
+Profiles: the cached real llama-server profile `--profile` (default: Q8_0 -t 1 of smollm2-135m, `tuner profile
+--model smollm2-135m --engine llamacpp --quant Q8_0 --batch-cap 4 --threads 1`). The space's 84 formats are not all
+profiled on this host, so for the space each format gets a copy of that profile with its step times (fit and
+samples) x a factor of its own (1 + 0.01 i): distinct profiles, so no format shares another's simulations, with the
+costs of a real one (the capacities themselves are stand-ins: this measures seconds, not accuracy).
+
+The machine may be shared: the script times a fixed CPU loop (`canary`) before and after, and prints the load
+average; a canary slower than on a quiet host says the figures are slower by about as much.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_predict_space.py [--repeats 3] [--skip-cli] [--skip-space]
+        [--slo-median 'ttft:p90<2s'] [--slo-tail 'ttft:p99<2s'] [--configs Q8_0:4,Q8_0:1,...] [--json out.json]
+
+`--configs` with `--json` writes each configuration's predicted capacity and band (the before/after table: run it
+with PYTHONPATH pointing at another checkout to compare two versions of the code side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path and not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(ROOT))
+
+MODEL = "smollm2-135m"
+PROFILE = "7508b04e6e69"  # Q8_0 -t 1, smollm2-135m, on this host's llama.cpp build
+SPACE = ROOT / "search_spaces" / "llamacpp-cpu.yaml"
+
+
+def canary_s(n: int = 20_000_000) -> float:
+    """A fixed pure-Python loop's seconds: the same work every time, slower when the CPU is shared."""
+    t = time.perf_counter()
+    x = 0
+    for i in range(n):
+        x += i * i % 7
+    return time.perf_counter() - t
+
+
+def load_line() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min) {five:.2f} (5 min) on {os.cpu_count()} CPUs"
+
+
+def read_profile(pid: str) -> dict[str, Any]:
+    from tuner.predict.profile import profiles_dir
+    from tuner.predict.profile import read_profile as read
+
+    prof = read(profiles_dir() / f"{pid}.json")
+    if prof is None:
+        raise SystemExit(f"no cached profile {pid} under {profiles_dir()}: run `tuner profile` first (see the docstring)")
+    return {**prof, "cached": True}
+
+
+def scaled_profile(prof: dict[str, Any], factor: float, pid: str, cap: int) -> dict[str, Any]:
+    """`prof` with every step time x `factor` (the fit's model and the samples it was fitted to) under id `pid`."""
+    fit = dict(prof["fit"])
+    model = dict(fit["model"])
+    for k, v in list(model.items()):
+        if k.endswith("_s") and k != "decode_by_batch_s" and k != "noise_sigma":
+            model[k] = v * factor
+    model["decode_by_batch_s"] = [[k, t * factor] for k, t in model.get("decode_by_batch_s") or []]
+    fit["model"] = model
+    s = prof["samples"]
+    samples = {**s, "decode": [{**d, "step_s": d["step_s"] * factor} for d in s["decode"]],
+               "prefill": [{**p, "ttft_s": p["ttft_s"] * factor} for p in s["prefill"]]}
+    return {**prof, "id": pid, "fit": fit, "samples": samples, "batch_cap": max(cap, prof["batch_cap"])}
+
+
+def capacity_options(slo_text: str, lifted: bool, max_probes: int = 5) -> Any:
+    """The capacity settings of a search's trial for this SLO (probes sized by its percentile), and with `lifted`
+    those its tail-SLO simulations run with (PredictStrategy.simulated: no wall budget, 3 probe caps per probe)."""
+    from tuner.measure.capacity import CapacityOptions, probe_requests_for
+    from tuner.slo import SLO, parse_slo
+
+    slo = SLO(bounds=tuple(parse_slo(slo_text)))
+    o = CapacityOptions(slo=slo, probe_requests=probe_requests_for(slo, max_probes, None), max_probes=max_probes)
+    if lifted:
+        from tuner.predict.strategy import PredictStrategy
+
+        o = PredictStrategy(lambda c, op: []).simulated(o)
+    return o
+
+
+def workload_spec(space_path: Path = SPACE) -> Any:
+    from tuner.measure.workload import WorkloadSpec
+    from tuner.search.space import load_space
+
+    w = load_space(space_path).workload
+    return WorkloadSpec(requests=int(w.get("requests", 32)), input_len=tuple(int(x) for x in w["input_len"].split(":")),
+                        output_len=tuple(int(x) for x in w["output_len"].split(":")))
+
+
+def predict_in_process(prof: dict[str, Any], quant: str, cap: int, slo_text: str, lifted: bool, tokenizer: Any,
+                       spec: Any) -> tuple[dict[str, Any], float]:
+    """estimate.predict as `tuner predict` calls it (pool, replicates, speed drift, history), timed."""
+    from tuner.cli.predict import capacity_pool
+    from tuner.config import TrialConfig
+    from tuner.predict.calibration import read_history
+    from tuner.predict.estimate import REPLICATES, SPEED_DRIFT, predict
+
+    config = TrialConfig(model=MODEL, engine="llamacpp", quant=quant, batch_cap=cap, threads=1)
+    options = capacity_options(slo_text, lifted)
+    pool = capacity_pool(config, spec, options, tokenizer)
+    t = time.perf_counter()
+    got = predict(prof, config, pool, options, replicates=REPLICATES, seed=spec.seed, speed_drift=SPEED_DRIFT,
+                  history=read_history(prof["id"]))
+    return got, time.perf_counter() - t
+
+
+def cli_predict_s(quant: str, cap: int, slo_text: str) -> float:
+    """`tuner predict` as a user runs it (a fresh process: imports, tokenizer, profile read), wall seconds."""
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "tuner", "predict", "--model", MODEL, "--engine", "llamacpp",
+                           "--quant", quant, "--batch-cap", str(cap), "--threads", "1", "--slo", slo_text,
+                           *spec_args()], capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise SystemExit(f"tuner predict failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
+    return wall
+
+
+def spec_args() -> list[str]:
+    s = workload_spec()
+    return ["--requests", str(s.requests), "--input-len", f"{s.input_len[0]}:{s.input_len[1]}",
+            "--output-len", f"{s.output_len[0]}:{s.output_len[1]}"]
+
+
+def predict_space(prof: dict[str, Any], slo_text: str, tokenizer: Any, space_path: Path = SPACE) -> dict[str, Any]:
+    """The whole space predicted by PredictStrategy.prepare (the cached-profile lookup answered with each format's
+    stand-in profile, nothing measured), timed; what it predicted and its own cost record."""
+    from tuner.cli.predict import capacity_pool
+    from tuner.predict import strategy as st
+    from tuner.search.space import load_space
+
+    space = load_space(space_path)
+    spec = workload_spec(space_path)
+    options = capacity_options(slo_text, False)
+    ctx = SimpleNamespace(space=space, slo=options.slo, capacity_timeout_s=options.max_wall_s, trial_timeout_s=None,
+                          model=MODEL, device="cpu", probe_requests=options.probe_requests,
+                          max_probes=options.max_probes, saturation_requests=None, workload=spec)
+    formats: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def cached(self: Any, members: list[Any], cap: int) -> dict[str, Any]:
+        fmt = st.format_of(members[0].config)
+        if fmt not in formats:
+            formats[fmt] = scaled_profile(prof, 1 + 0.01 * len(formats), f"{prof['id']}-x{len(formats)}", cap)
+        return formats[fmt]
+
+    strategy = st.PredictStrategy(lambda config, o: capacity_pool(config, spec, o, tokenizer), seed=spec.seed)
+    strategy.cached = cached.__get__(strategy)
+    t = time.perf_counter()
+    strategy.prepare(ctx, None)
+    took = time.perf_counter() - t
+    predicted = sum(p.rps is not None for p in strategy.predictions)
+    return {"slo": slo_text, "s": took, "configurations": strategy.n_configurations, "predicted": predicted,
+            "left_out": sum(e["configurations"] for e in strategy.left_out), "formats": len(formats),
+            "cost": strategy.report_prediction()["prediction_cost"],
+            "top": [(p.config["quant"], p.config["batch_cap"], p.rps, p.band)
+                    for p in sorted(strategy.predictions, key=lambda p: -(p.rps or 0))[:3]]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3, help="timings per configuration (the median is printed)")
+    ap.add_argument("--profile", default=PROFILE, help=f"cached profile id (default {PROFILE})")
+    ap.add_argument("--slo-median", default="ttft:p90<2s")
+    ap.add_argument("--slo-tail", default="ttft:p99<2s")
+    ap.add_argument("--configs", default="Q8_0:4,Q8_0:1",
+                    help="QUANT:CAP,... predicted one at a time (the profile's format: QUANT names the config only)")
+    ap.add_argument("--skip-cli", action="store_true", help="leave out the `tuner predict` processes")
+    ap.add_argument("--skip-space", action="store_true", help="leave out the whole space")
+    ap.add_argument("--skip-configs", action="store_true", help="leave out the configurations one at a time")
+    ap.add_argument("--space", type=Path, default=SPACE, help=f"the space file (default {SPACE.name})")
+    ap.add_argument("--space-slos", default=None, help="SLOs the space is predicted at, ';'-separated (default: "
+                    "--slo-median and --slo-tail)")
+    ap.add_argument("--json", help="write every figure as JSON")
+    args = ap.parse_args()
+
+    import tuner.predict.estimate as est
+    from tuner.models import checkpoint_dir
+    from tuner.quantize import load_tokenizer
+
+    print(f"code: {Path(est.__file__).resolve().parent.parent.parent}")
+    before = canary_s()
+    print(f"canary (fixed CPU loop): {before:.2f} s; {load_line()}", flush=True)
+    prof = read_profile(args.profile)
+    tokenizer = load_tokenizer(checkpoint_dir(MODEL))
+    spec = workload_spec()
+    out: dict[str, Any] = {"canary_s": [before], "load": [os.getloadavg()], "configs": [], "cli": [], "space": []}
+    configs = [(q, int(c)) for q, c in (item.split(":") for item in args.configs.split(","))]
+    for slo_text, lifted in ((args.slo_median, False), (args.slo_tail, False), (args.slo_tail, True)
+                             ) if not args.skip_configs else ():
+        for quant, cap in configs:
+            times, got = [], None
+            for _ in range(args.repeats):
+                got, s = predict_in_process(prof, quant, cap, slo_text, lifted, tokenizer, spec)
+                times.append(s)
+            c = got["capacity"]
+            row = {"quant": quant, "batch_cap": cap, "slo": slo_text, "lifted": lifted, "s": times,
+                   "median_s": statistics.median(times), "requests_per_s": c["requests_per_s"], "band": c["band"],
+                   "saturation_rps": c["saturation_rps"], "verdict": c["verdict"]}
+            out["configs"].append(row)
+            band = "[-]" if c["band"][0] is None else f"[{c['band'][0]:.3f}, {c['band'][1]:.3f}]"
+            print(f"predict {quant} -np {cap} {slo_text}{' (budget lifted, as the strategy)' if lifted else ''}: "
+                  f"median {row['median_s']:.2f} s of {args.repeats} (in process); PREDICTED "
+                  f"{c['requests_per_s']:.3f} req/s band {band}, saturation {c['saturation_rps']:.3f}", flush=True)
+    if not args.skip_cli:
+        for slo_text in (args.slo_median, args.slo_tail):
+            quant, cap = configs[0]
+            times = [cli_predict_s(quant, cap, slo_text) for _ in range(args.repeats)]
+            out["cli"].append({"slo": slo_text, "s": times, "median_s": statistics.median(times)})
+            print(f"`tuner predict` {quant} -np {cap} {slo_text}: median {statistics.median(times):.2f} s of "
+                  f"{args.repeats} (a fresh process each, imports and tokenizer included)", flush=True)
+    if not args.skip_space:
+        slos = args.space_slos.split(";") if args.space_slos else [args.slo_median, args.slo_tail]
+        for slo_text in slos:
+            r = predict_space(prof, slo_text, tokenizer, args.space)
+            out["space"].append(r)
+            print(f"whole space {args.space.name} at {slo_text}: {r['s']:.1f} s for {r['configurations']} configurations "
+                  f"({r['predicted']} predicted, {r['left_out']} left out: drafts; {r['formats']} formats, "
+                  f"{r['cost']['simulations']} simulations): {r['configurations'] / r['s']:.1f} configurations/s "
+                  f"({r['predicted'] / r['s']:.1f} predicted/s)", flush=True)
+    after = canary_s()
+    out["canary_s"].append(after)
+    out["load"].append(os.getloadavg())
+    print(f"canary (fixed CPU loop): {after:.2f} s after; {load_line()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
