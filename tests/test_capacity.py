@@ -14,6 +14,33 @@ from tuner.measure.workload import Request
 from tuner.slo import SLO, build_slo, parse_slo
 from tuner.stats import min_samples_to_meet
 
+# The searches below run their fake engines SCALE times faster than the figures in their comments, with every
+# duration of their SLOs and budgets divided by as much: queueing, utilisations, request counts and verdicts are the
+# same in units of the service time (a 90 ms request judged on 200 ms is a 22.5 ms one judged on 50 ms), in a quarter
+# of the wall time. Their chunks are paced (tests.fake_engine): on a 2-core host at load 6-7, the steady engine at 4x
+# paced measured saturation at 0.99-1.00 of its service rate (6 of 6 runs) where unpaced sleeps at 4x gave 0.94-0.97
+# and, in 3 of 10 runs, a capacity below 0.8 of it; at 8x a paced canary moved +1500% once. The one measurement of a
+# steady engine on a quiet host (`measure_capacity`: measured once, the host's CPU accounting in 10 ms ticks saying
+# quiet) and the neighbour's keep real time: their shortest steps (the warm-up, the last canary, ~0.1 s) would last
+# a few ticks.
+SCALE = 4.0
+
+
+def fast(s: float) -> float:
+    """A duration in a comment's figures, as the scaled fake engines and budgets run it."""
+    return s / SCALE
+
+
+def ms(limit_ms: float) -> str:
+    """An SLO limit in a comment's figures (ms), as the scaled searches judge it."""
+    return f"{limit_ms / SCALE:g}ms"
+
+
+def fake(servers: int, prefill_s: float, token_s: float, **kw) -> FakeEngine:
+    """A fake engine of a comment's figures, scaled, its chunks paced (due at their offsets from the request's start,
+    so a late wake-up does not lengthen the request)."""
+    return FakeEngine(servers=servers, prefill_s=fast(prefill_s), token_s=fast(token_s), paced=True, **kw)
+
 
 def pool(n, max_tokens=8):
     return [Request(i, "x", (1, 2, 3), max_tokens, None) for i in range(n)]
@@ -34,14 +61,14 @@ def search(engine, slo, **kw):
 @pytest.fixture(scope="module")
 def steady_search():
     """One capacity search of a steady engine of known service rate, judged on E2E p90 < 200 ms, that two tests
-    read (one search of ~12 s instead of two alike)."""
-    return search(FakeEngine(servers=2, prefill_s=0.02, token_s=0.01), SLO(tuple(parse_slo("e2e:p90<200ms"))))
+    read (one search of ~12 s at real time, ~3 s scaled, instead of two alike)."""
+    return search(fake(2, prefill_s=0.02, token_s=0.01), SLO(tuple(parse_slo(f"e2e:p90<{ms(200)}"))))
 
 
 def test_finds_a_known_service_rate_within_tolerance(steady_search):
     # 2 servers x (20 ms + 7 x 10 ms) = 0.09 s per request -> 22.2 req/s; with constant arrivals nothing queues
     # below that rate (E2E = 90 ms) and the queue grows above it, so E2E p90 < 200 ms holds up to ~the service rate
-    mu = 2 / (0.02 + 7 * 0.01)
+    mu = 2 / fast(0.02 + 7 * 0.01)
     cap = steady_search
     assert cap["verdict"] == "meets"
     assert cap["saturation"]["requests_per_s"] == pytest.approx(mu, rel=0.15)
@@ -69,18 +96,17 @@ def test_a_wide_batch_cap_still_gets_its_rate_probes():
 
 def test_a_tight_ttft_bound_lowers_capacity():
     # a TTFT below two prefills means no request may wait behind another: capacity well under the service rate
-    engine = FakeEngine(servers=1, prefill_s=0.03, token_s=0.005)
-    loose = search(engine, SLO(tuple(parse_slo("ttft:p90<500ms"))))
-    tight = search(FakeEngine(servers=1, prefill_s=0.03, token_s=0.005),
-                   SLO(tuple(parse_slo("ttft:p50<40ms"))), arrival="poisson", max_probes=3)
+    loose = search(fake(1, prefill_s=0.03, token_s=0.005), SLO(tuple(parse_slo(f"ttft:p90<{ms(500)}"))))
+    tight = search(fake(1, prefill_s=0.03, token_s=0.005),
+                   SLO(tuple(parse_slo(f"ttft:p50<{ms(40)}"))), arrival="poisson", max_probes=3)
     assert loose["verdict"] == "meets"
     assert tight["requests_per_s"] < loose["requests_per_s"]
 
 
 def test_attainment_below_target_misses_at_every_rate():
     # every 4th request is 10x slower: 75% of requests meet e2e < 150 ms whatever the rate
-    slow = FakeEngine(servers=2, prefill_s=0.01, token_s=0.005, slow=lambda n: 10.0 if n % 4 == 3 else 1.0)
-    _, slo = build_slo(None, "ttft:p99", "e2e<150ms", attainment=0.95)
+    slow = fake(2, prefill_s=0.01, token_s=0.005, slow=lambda n: 10.0 if n % 4 == 3 else 1.0)
+    _, slo = build_slo(None, "ttft:p99", f"e2e<{ms(150)}", attainment=0.95)
     cap = search(slow, slo, max_probes=2)
     assert cap["verdict"] == "misses" and cap["requests_per_s"] == 0
     assert all(p["verdict"] == "misses" for p in cap["probes"])
@@ -151,20 +177,20 @@ def test_an_engine_that_slowed_during_the_measurement_is_said(steady_search):
     then the slowdown, as a neighbour arriving on the host) gives a drift of +50% (the start ran 1.5x as fast as the
     measurement's median) and a note; a steady engine, neither.
     A neighbour there only during the saturation probe (gone before the first rate probe) is seen too."""
-    slo = SLO(tuple(parse_slo("e2e:p90<200ms")))
-    steady = steady_search  # FakeEngine(servers=2, prefill_s=0.02, token_s=0.01) judged on `slo`
+    slo = SLO(tuple(parse_slo(f"e2e:p90<{ms(200)}")))
+    steady = steady_search  # fake(2, prefill_s=0.02, token_s=0.01) judged on `slo`
     # each canary: 3 copies x 7 gaps between their 8 tokens
     assert steady["canary"]["n"] == [3 * 7] * (2 + len(steady["probes"])) and abs(steady["canary"]["drift"]) < 0.1
     assert steady["canary"]["at"][:2] == ["start", "after the saturation probe"]
     assert not any("engine's speed moved" in n for n in steady["notes"])
-    slowed = search(FakeEngine(servers=2, prefill_s=0.02, token_s=0.01, slow=lambda n: 1.5 if n >= 5 else 1.0), slo)
+    slowed = search(fake(2, prefill_s=0.02, token_s=0.01, slow=lambda n: 1.5 if n >= 5 else 1.0), slo)
     assert slowed["canary"]["drift"] == pytest.approx(0.5, abs=0.12)  # the start ran 1.5x the typical speed
     assert sum("engine's speed moved +" in n and "ms start" in n for n in slowed["notes"]) == 1
     # requests 5..(5 + 3 + the saturation's): the second canary follows the saturation probe, then the engine is
     # steady again, as at the start
     sat_n = CapacityOptions(slo=slo).saturation_count(2)
-    passing = search(FakeEngine(servers=2, prefill_s=0.02, token_s=0.01,
-                                slow=lambda n: 1.5 if 5 <= n < 5 + sat_n + 3 else 1.0), slo, saturation_requests=sat_n)
+    passing = search(fake(2, prefill_s=0.02, token_s=0.01, slow=lambda n: 1.5 if 5 <= n < 5 + sat_n + 3 else 1.0),
+                     slo, saturation_requests=sat_n)
     itl = passing["canary"]["itl_ms"]
     assert passing["canary"]["drift"] == pytest.approx(-1 / 3, abs=0.08)  # slower than typical, then
     assert itl[0] == pytest.approx(itl[-1], rel=0.1)  # the first and the last alone would have seen nothing
@@ -174,17 +200,18 @@ def test_an_engine_that_moved_under_the_measurement_is_measured_again():
     """`measure_capacity`: a neighbour slows every request 1.5x from the end of the first canary to the end of the
     first measurement (its last canary), then leaves. The first measurement's canary moved ~50%; the budget holds
     a second one, on fresh prompts, whose engine held steady: it is the figure reported, near the engine's real
-    service rate and above the first's. A steady engine is measured once; a budget too short for a second says so."""
+    service rate and above the first's. A steady engine is measured once (at real time: see SCALE); a budget too
+    short for a second says so."""
     from tuner.measure.capacity import measure_capacity
 
-    mu = 2 / (0.02 + 7 * 0.01)  # the steady engine's service rate (test_finds_a_known_service_rate_within_tolerance)
-    slo = SLO(tuple(parse_slo("e2e:p90<200ms")))
+    mu = 2 / fast(0.02 + 7 * 0.01)  # the steady engine's service rate (test_finds_a_known_service_rate_within_tolerance)
 
-    def measure(neighbour: bool, **kw):
+    def measure(neighbour: bool, scale: float = SCALE, **kw):
         warmups = [0]  # a measurement starts with its warm-up: 2 requests at the batch cap of 2 (a canary sends
         # CANARY_RUNS = 3, the saturation 3 in flight, the probes open loop)
-        engine = FakeEngine(servers=2, prefill_s=0.02, token_s=0.01,
+        engine = FakeEngine(servers=2, prefill_s=0.02 / scale, token_s=0.01 / scale, paced=True,
                             slow=lambda n: 1.5 if neighbour and n >= 5 and warmups[0] < 2 else 1.0)
+        slo = SLO(tuple(parse_slo(f"e2e:p90<{200 / scale:g}ms")))
         engine.start()
         try:
             def run(reqs, concurrency, timeout_s, should_stop):
@@ -207,7 +234,7 @@ def test_an_engine_that_moved_under_the_measurement_is_measured_again():
     assert cap["cost"]["wall_s"] == pytest.approx(first["wall_s"] + second["wall_s"])
     assert not any("repeat" in n for n in cap["notes"] + first["notes"])  # the second sent fresh prompts
 
-    steady, measurements = measure(neighbour=False)
+    steady, measurements = measure(neighbour=False, scale=1.0)
     assert measurements == 1 and "remeasured" not in steady and abs(steady["canary"]["drift"]) < 0.1
     short, measurements = measure(neighbour=True, max_wall_s=first["wall_s"] * 1.5)
     assert measurements == 1 and "remeasured" not in short
@@ -246,16 +273,18 @@ def test_a_neighbour_present_throughout_the_measurement_is_seen_and_measured_aga
 
 
 def test_a_slow_engine_leaves_budget_for_the_rate_probes():
-    """~5 req/s at batch cap 1 with a 12 s budget: the saturation's own steady window (32 completions over 10 s at
-    least) would take most of the budget and leave no rate probe (fp32 at cap 1 in `make demo`); the saturation probe
-    stops with 8 or more once the first probe (and the canaries after each step) would no longer fit after it, and
-    that probe runs."""
+    """~5 req/s at batch cap 1 with a 12 s budget (at real time; run at SCALE): the saturation's own steady window
+    (32 completions over 10 s at least) would take most of the budget and leave no rate probe (fp32 at cap 1 in
+    `make demo`); the saturation probe stops with 8 or more once the first probe (and the canaries after each step)
+    would no longer fit after it, and that probe runs."""
+    import scipy.stats  # noqa: F401 -- its first import (~0.6 s) lands in the search's budget: at real time, not scaled
+
     from tuner.measure.capacity import MIN_STEADY
 
-    cap = search(FakeEngine(servers=1, prefill_s=0.05, token_s=0.02), SLO(tuple(parse_slo("e2e:p50<2s"))),
-                 max_wall_s=12.0, probe_requests=(10, 10))
+    cap = search(fake(1, prefill_s=0.05, token_s=0.02), SLO(tuple(parse_slo(f"e2e:p50<{ms(2000)}"))),
+                 max_wall_s=fast(12.0), steady_s=fast(10.0), probe_requests=(10, 10))
     steady = cap["saturation"]["steady"]
-    assert steady["completions"] >= MIN_STEADY and steady["seconds"] < 10.0  # CapacityOptions.steady_s
+    assert steady["completions"] >= MIN_STEADY and steady["seconds"] < fast(10.0)  # CapacityOptions.steady_s
     assert cap["cost"]["probes"] >= 1 and cap["requests_per_s"] > 0
 
 
