@@ -204,7 +204,7 @@ def test_an_engine_that_moved_under_the_measurement_is_measured_again():
     short for a second says so."""
     from tuner.measure.capacity import measure_capacity
 
-    mu = 2 / fast(0.02 + 7 * 0.01)  # the steady engine's service rate (test_finds_a_known_service_rate_within_tolerance)
+    mu = 2 / fast(0.02 + 7 * 0.01)  # the steady engine's service rate (test_finds_a_known_service_rate_within_...)
 
     def measure(neighbour: bool, scale: float = SCALE, **kw):
         warmups = [0]  # a measurement starts with its warm-up: 2 requests at the batch cap of 2 (a canary sends

@@ -141,7 +141,8 @@ def check_study(storage: str, name: str, n_trials: int, min_workers: int = 2, al
 
 # --------------------------------------------------------------------------- fast stress of the budget --- #
 # The real `tuner search` worker loop (study, lock, budget, sampling, trial guard, the pick's re-measure by the
-# worker that ends last) with the measurements (each trial's and --confirm's) replaced by quick stand-ins. TUNER_TEST_BAD_SAMPLE=N injects a failure: trial N samples an invalid configuration.
+# worker that ends last) with the measurements (each trial's and --confirm's) replaced by quick stand-ins.
+# TUNER_TEST_BAD_SAMPLE=N injects a failure: trial N samples an invalid configuration.
 STAND_IN = r'''
 import argparse, os, random, sys, time
 import tuner.search.loop as S
