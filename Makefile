@@ -32,16 +32,20 @@ llamacpp: $(STAMP)
 vllm: $(STAMP)
 	scripts/build_vllm.sh constraints.txt
 
-# The main job: a real capacity search on the bundled SmolLM2-135M, sized for about 10 minutes on a 2-core CPU
-# (each trial: warm-up, canary, saturation probe, up to 3 rate probes of 16-32 requests in 2 min, quality on 20
-# items per task, 40 while undecided; no trial starts that would end past 9 min with the pick's re-measure after it,
-# which is done once, so the figure printed is not the luckiest of the trials'). On a 2-core CPU that is the engine
-# default and one or two more trials (measured: 7.4 min, 2 trials).
-demo: $(STAMP)
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/tuner search --model smollm2-135m \
+# The main job: a real search on the bundled SmolLM2-135M, sized for about 10 minutes on a 2-core CPU. The demo space
+# (search_spaces/demo-llamacpp.yaml: llama-server, Q4_1 and Q8_0 x -np 1-4, one thread) has an engine profile, so the
+# search predicts (--strategy auto): both formats profiled (cached after), all 8 configurations predicted, then the
+# engine default and, one at a time, the configuration most likely to beat the best measured are measured (each:
+# warm-up, canary, saturation probe, up to 3 rate probes of 16-32 requests in 2 min), the pick re-measured once; it
+# prints each measured configuration's predicted vs measured capacity and the model's error over the search. At most
+# 5 trials (the default + 4); --timeout 15m is a ceiling only (profiles may take 40% of it: a tighter one leaves
+# Q8_0 unprofiled on a busy host, where a profile took 155 s). Capacity only (--no-quality): llama-perplexity's
+# quality gate (the F32 reference, the KLD base, each format, grown to 40 items while undecided) took over 8 min for
+# the engine default alone on a busy 2-core host; `tuner search` without --no-quality gates every format.
+demo: $(STAMP) llamacpp
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/tuner search --model smollm2-135m --space search_spaces/demo-llamacpp.yaml \
 		--slo "ttft<5s;tpot<250ms" --attainment 0.8 --probe-requests 16:32 --max-probes 3 --capacity-timeout 2m \
-		--max-quality-drop 5 --quality-tasks arc_easy,piqa --quality-limit 20 --quality-max-limit 40 \
-		--trials 8 --timeout 9m --confirm 1 --cost-per-hour 0.10 --study demo-smollm2
+		--no-quality --trials 5 --timeout 15m --confirm 1 --cost-per-hour 0.10 --study demo-smollm2-predict
 
 # Tests in tiers (markers given by tests/conftest.py, described in pyproject.toml): unit, model, server, search,
 # browser, db, slow. `make test` runs them all (what CI runs): the 25 slowest tests and the time per file and per tier
