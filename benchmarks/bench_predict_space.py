@@ -115,10 +115,18 @@ def predict_in_process(prof: dict[str, Any], quant: str, cap: int, slo_text: str
     config = TrialConfig(model=MODEL, engine="llamacpp", quant=quant, batch_cap=cap, threads=1)
     options = capacity_options(slo_text, lifted)
     pool = capacity_pool(config, spec, options, tokenizer)
+    forget_searches()
     t = time.perf_counter()
     got = predict(prof, config, pool, options, replicates=REPLICATES, seed=spec.seed, speed_drift=SPEED_DRIFT,
                   history=read_history(prof["id"]))
     return got, time.perf_counter() - t
+
+
+def forget_searches() -> None:
+    """Empty estimate's kept searches (where this version keeps them): each timing simulates afresh."""
+    import tuner.predict.estimate as est
+
+    getattr(est, "_SEARCHES", {}).clear()
 
 
 def cli_predict_s(quant: str, cap: int, slo_text: str) -> float:
@@ -162,6 +170,7 @@ def predict_space(prof: dict[str, Any], slo_text: str, tokenizer: Any, space_pat
 
     strategy = st.PredictStrategy(lambda config, o: capacity_pool(config, spec, o, tokenizer), seed=spec.seed)
     strategy.cached = cached.__get__(strategy)
+    forget_searches()
     t = time.perf_counter()
     strategy.prepare(ctx, None)
     took = time.perf_counter() - t

@@ -167,6 +167,9 @@ def test_a_repeated_search_is_a_copy_and_another_pool_is_simulated_anew(monkeypa
     simulated_capacity(TRUTH, 2, other, options, 2048, 7)
     simulated_capacity(TRUTH, 2, pool, options, 2048, 8)  # another noise seed
     assert len(made) == 3
+    pool[5] = Request(pool[5].index, "", pool[5].prompt_ids, pool[5].max_tokens + 2, None)  # changed in place
+    simulated_capacity(TRUTH, 2, pool, options, 2048, 7)
+    assert len(made) == 4
 
 
 def test_the_band_without_the_curve_is_the_band_with_it(profiled: dict[str, Any]) -> None:
