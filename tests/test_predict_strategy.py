@@ -344,7 +344,10 @@ def test_predict_strategy_on_another_engine_is_one_line(tmp_path) -> None:
     proc = run_tuner("search", "--model", "smollm2-135m", "--strategy", "predict", "--latency-target", "1s",
                      "--no-quality", "--space", str(REPO / "tests" / "data" / UNPROFILED_SPACES[engine]),
                      "--results-dir", str(tmp_path / "r"))
-    assert_one_line_error(proc, f"--strategy predict with engine {engine}", "expected --engine llamacpp")
+    from tuner.engines.registry import names, spoken
+
+    assert_one_line_error(proc, f"--strategy predict with engine {engine}",
+                          f"expected --engine {spoken(names(profiled=True))}")
     assert not (tmp_path / "r").exists()
 
 
