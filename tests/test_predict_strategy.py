@@ -270,7 +270,8 @@ class SimulatedAcrossEngines(SimulatedProfiles):
                                  f"sim-{c['engine']}-{c['quant']}")
 
 
-def test_across_engines_every_engine_is_predicted_its_default_measured_first_and_drafts_are_listed() -> None:
+def test_across_engines_every_engine_is_predicted_its_default_measured_first_and_drafts_are_listed(
+        monkeypatch, tmp_path) -> None:
     """--engine transformers,llamacpp (the tiny spaces combined): every configuration of both engines predicted
     except those with a draft (no profile of speculative decoding), which are listed as not predicted, not measured;
     each engine's default format is profiled even with no time left, each engine's default measured first (the
@@ -302,6 +303,7 @@ def test_across_engines_every_engine_is_predicted_its_default_measured_first_and
         e = t.user_attrs["config"]["engine"]
         assert t.user_attrs["predicted_calibrated_requests_per_s"] == pytest.approx(
             t.user_attrs["predicted_requests_per_s"] * scale[e], rel=1e-6)
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path))  # the simulated profiles' calibration histories
     report = strategy.report(study)
     assert report["n_not_predicted_not_measured"] == len(drafts) and report["left_out"][0]["measured"] == 0
     assert report["strategy_why"] == "--strategy predict"
