@@ -122,6 +122,13 @@ def predict_in_process(prof: dict[str, Any], quant: str, cap: int, slo_text: str
     return got, time.perf_counter() - t
 
 
+def code_root() -> Path:
+    """The checkout whose `tuner` this process imported (PYTHONPATH may name another than this file's)."""
+    import tuner
+
+    return Path(tuner.__file__).resolve().parent.parent
+
+
 def forget_searches() -> None:
     """Empty estimate's kept searches (where this version keeps them): each timing simulates afresh."""
     import tuner.predict.estimate as est
@@ -134,7 +141,7 @@ def cli_predict_s(quant: str, cap: int, slo_text: str) -> float:
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "tuner", "predict", "--model", MODEL, "--engine", "llamacpp",
                            "--quant", quant, "--batch-cap", str(cap), "--threads", "1", "--slo", slo_text,
-                           *spec_args()], capture_output=True, text=True, cwd=ROOT)
+                           *spec_args()], capture_output=True, text=True, cwd=code_root())
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         raise SystemExit(f"tuner predict failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
@@ -199,11 +206,10 @@ def main() -> int:
     ap.add_argument("--json", help="write every figure as JSON")
     args = ap.parse_args()
 
-    import tuner.predict.estimate as est
     from tuner.models import checkpoint_dir
     from tuner.quantize import load_tokenizer
 
-    print(f"code: {Path(est.__file__).resolve().parent.parent.parent}")
+    print(f"code: {code_root()}")
     before = canary_s()
     print(f"canary (fixed CPU loop): {before:.2f} s; {load_line()}", flush=True)
     prof = read_profile(args.profile)
