@@ -117,6 +117,17 @@ def profile_cost(path: str | None) -> float | None:
         return None
 
 
+def quick_profile(quant: str, cap: int, kv_fraction: float, refresh: bool) -> None:
+    """The format's profile with a quick protocol (2 prefill repeats, 1 decode wave: fewer samples, same shape),
+    cached where `tuner predict` reads it (tuner.predict.profile.load_or_measure, what tuner predict calls)."""
+    from tuner.config import TrialConfig
+    from tuner.predict.profile import Protocol, load_or_measure
+
+    config = TrialConfig(model=MODEL, engine="transformers", quant=quant, batch_cap=cap, kv_fraction=kv_fraction)
+    load_or_measure(config, cap, refresh=refresh, log=lambda s: print(f"  {s}", file=sys.stderr, flush=True),
+                    protocol=Protocol(prefill_repeats=2, decode_waves=1))
+
+
 def transformers_grid(args: argparse.Namespace) -> int:
     """Predict every configuration of a measured transformers grid without a draft; score against its capacities."""
     grid_path = Path(args.grid)
@@ -130,9 +141,12 @@ def transformers_grid(args: argparse.Namespace) -> int:
           f"{' '.join(flags)}" + ("" if args.grid_method else " (today's probe sizes for the SLO, the default budget; "
                                   "--grid-method for the grid's own)"), flush=True)
     # widest cap first: the format's profile is measured at it and serves the narrower caps from the cache
-    ordered = sorted(grid["rows"], key=lambda r: (r["knobs"]["quant"], -r["knobs"]["batch_cap"]))
+    formats = list(dict.fromkeys(r["knobs"]["quant"] for r in grid["rows"]))  # the grid's order (fp32 first)
+    ordered = sorted(grid["rows"], key=lambda r: (formats.index(r["knobs"]["quant"]), -r["knobs"]["batch_cap"]))
     for r in ordered:
         k = r["knobs"]
+        if args.quants_only and k["quant"] not in args.quants_only.split(","):
+            continue
         name = f"{k['quant']} cap {k['batch_cap']} kv {k['kv_fraction']}" + (
             f" draft {k['draft']}" if k["draft"] != "none" else "")
         cap = r.get("capacity") or {}
@@ -145,6 +159,9 @@ def transformers_grid(args: argparse.Namespace) -> int:
             print(f"{name}: measured {row['measured_rps']} req/s; not predicted ({row['not_predicted']})", flush=True)
             continue
         refresh = args.refresh_profile and k["quant"] not in profiles
+        if args.quick_profile and k["quant"] not in profiles:  # measured here, the same way; tuner predict reads it
+            quick_profile(k["quant"], max(g["knobs"]["batch_cap"] for g in grid["rows"]), k["kv_fraction"], refresh)
+            refresh = False
         config = ["--model", MODEL, "--engine", "transformers", "--quant", k["quant"], "--batch-cap",
                   str(k["batch_cap"]), "--kv-fraction", str(k["kv_fraction"])]
         pred, pred_s, err = tuner_json("predict", *config, *GRID_WORKLOAD, *flags,
@@ -203,6 +220,9 @@ def main() -> int:
     ap.add_argument("--engine", choices=("llamacpp", "transformers"), default="llamacpp")
     ap.add_argument("--grid", help="transformers: the measured grid (bench_search.py grid's JSON) to score against")
     ap.add_argument("--refresh-profile", action="store_true", help="transformers: measure each format's profile anew")
+    ap.add_argument("--quick-profile", action="store_true", help="transformers: profile each format with the quick "
+                    "protocol (2 prefill repeats, 1 decode wave) when it has none cached (or with --refresh-profile)")
+    ap.add_argument("--quants-only", help="transformers: predict only these formats of the grid (comma-separated)")
     ap.add_argument("--grid-method", action="store_true", help="transformers: predict with the grid's own probe sizes "
                     "and 90 s budget (the capacity rules of its day)")
     ap.add_argument("--quants", default="Q8_0,Q4_0")

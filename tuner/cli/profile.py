@@ -15,9 +15,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Start the engine for the configuration (at --batch-cap server slots), measure "
                                    "decode step time against running sequences and context, and prefill time against "
                                    "prompt tokens; fit the step model and cache it under $TUNER_CACHE/profiles, keyed "
-                                   "by engine build, model hash, format and host. Engines with a profile: those "
-                                   "`tuner engines` lists as profiled (llama.cpp, transformers); a configuration "
-                                   "with a draft is not profiled.")
+                                   "by engine build, model hash, format and host. Engines with a profile so far: "
+                                   "llama.cpp and transformers (continuous batching); a configuration with a draft "
+                                   "is not profiled.")
     add_config_args(p)
     p.add_argument("--refresh", action="store_true", help="measure again even when a profile is cached")
     p.add_argument("--json", metavar="FILE", help="also write the profile to FILE")
