@@ -91,6 +91,24 @@ def start_llama_server(log: Path, slots: int = 2, api_key: str | None = None):
     return start_server(argv, port, log, 60), f"http://127.0.0.1:{port}"
 
 
+TINY_SEARCH = ["search", "--model", "smollm2-135m", "--space", str(REPO / "tests" / "data" / "tiny_space.yaml"),
+               "--study", "tiny", "--seed", "0", "--quiet", "--cost-per-hour", "2.5", "--strategy", "measure",
+               "--probe-requests", "8:12", "--max-probes", "2", "--latency-target", "60s", "--latency-metric",
+               "e2e:p50", "--target-rate", "10"]
+
+
+@pytest.fixture(scope="session")
+def tiny_search(tmp_path_factory):
+    """(results directory, finished process) of one real `tuner search` of tests/data/tiny_space.yaml: 3 trials, real
+    lm-eval quality, the pick re-measured (--confirm's default). Read-only for its users: tests/test_search_e2e.py
+    checks the search itself (and resumes a copy of it), tests/test_dashboard.py shows its study in a real browser;
+    one search instead of two (~80 s)."""
+    d = tmp_path_factory.mktemp("tiny-search")
+    proc = run_tuner(*TINY_SEARCH, "--results-dir", str(d), "--trials", "3", timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return d, proc
+
+
 # ---- Test tiers -------------------------------------------------------------------------------------------------
 # Every test gets its tier markers here (described in pyproject.toml; --strict-markers). A test's tiers are
 #   1. its own line in TEST_TIERS ("file::test", parameters left out), which replaces its module's default, or else
@@ -110,6 +128,7 @@ FIXTURE_TIERS = {
     "server": {"server"}, "engine2": {"model"},  # test_engines' contract suite
     "nf4_scores": {"model"}, "bf16_escalated": {"model"},  # test_quality: lm-eval scores of the real model
     "tok": {"model"},  # test_workload: the bundled model's tokenizer
+    "tiny_search": {"search"},  # test_search_e2e and test_dashboard: one real tuner search, shared
     "searched": {"search", "server"}, "browser": {"browser"}, "page": {"browser"},  # test_dashboard
     "postgres_url": {"db"},  # test_workers
 }

@@ -46,7 +46,6 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SHOTS = REPO / "results" / "dashboard"
-SPACE = str(REPO / "tests" / "data" / "tiny_space.yaml")
 ROW_PX = 35  # Streamlit's data frame row (and header) height
 LOAD_S = 120  # first page load imports optuna, plotly, transformers' config... on a busy 2-core machine
 
@@ -279,6 +278,8 @@ def test_axis_fields_labels_directions(mixed):
     fields = axis_fields(views, info)
     assert fields[:4] == [CAPACITY, "quality.score", "output_tokens_per_s", "ttft_ms.p90"]
     assert default_axes(fields, info, True) == (CAPACITY, "quality.score")
+    # quality not scored: capacity vs the latency at capacity (the study the browser test reads scored it)
+    assert default_axes([f for f in fields if not f.startswith("quality.")], info, True) == (CAPACITY, "ttft_ms.p90")
     assert {"capacity.saturation.requests_per_s", "capacity.goodput_requests_per_s", "config.batch_cap",
             "roofline.percent_of_bound", "quality.tasks.arc_easy.acc", "e2e_ms.p50"} <= set(fields)
     assert not any(f.endswith(("_stderr", ".seed", ".limit", ".n")) or f.startswith(("quality.gate", "capacity.slo"))
@@ -616,18 +617,14 @@ def tuner_dashboard(storage: str, log: Path) -> Server:
 
 
 @pytest.fixture(scope="session")
-def searched(tmp_path_factory):
-    """(storage URL, study name) of a study written by a real `tuner search` (3 trials, no quality scoring; small
-    capacity probes judged on e2e p50, which 8 requests can show met, as tests/test_search_e2e.py does)."""
+def searched(request):
+    """(storage URL, study name) of a study written by a real `tuner search`: the session's tiny search
+    (tests/conftest.py `tiny_search`, checked by tests/test_search_e2e.py: 3 trials, quality scored, small capacity
+    probes judged on e2e p50, which 8 requests can show met), read only."""
     if os.environ.get("TUNER_TEST_STORAGE"):
         return os.environ["TUNER_TEST_STORAGE"], os.environ.get("TUNER_TEST_STUDY", "tiny")
     _need_browser()  # no point searching when the browser tests cannot run
-    d = tmp_path_factory.mktemp("dash-search")
-    proc = run_tuner("search", "--model", "smollm2-135m", "--space", SPACE, "--latency-target", "60s",
-                     "--latency-metric", "e2e:p50", "--probe-requests", "8:12", "--max-probes", "2",
-                     "--trials", "3", "--no-quality", "--results-dir", str(d), "--study", "tiny", "--seed", "0",
-                     "--quiet", "--confirm", "0", "--strategy", "measure", timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d, _ = request.getfixturevalue("tiny_search")
     return f"sqlite:///{d / 'tuner.db'}", "tiny"
 
 
@@ -860,6 +857,19 @@ def test_dashboard_in_a_real_browser(searched, page, tmp_path):
         assert sum(plot_traces(page, 0).get(k, 0) for k in ("feasible", "infeasible")) == sum(
             _leaf(t.user_attrs, exp["y"]) is not None and t.user_attrs.get("config") is not None
             for t in exp["trials"])
+        if by_capacity and lat[1] == "quality.score":
+            # quality was scored (the default y axis): capacity vs latency at capacity, chosen, shows the latency
+            # target horizontal, as the default view of a study without quality does
+            metric, stat = exp["study"].user_attrs["latency_metric"].split(":")
+            label = f"{metric.upper()} {stat} (ms)"
+            pick(page, "x axis", "capacity", re.compile(r"^capacity \(req/s\)$"))
+            pick(page, "y axis", label[:-5], re.compile(rf"^{re.escape(label)}$"))
+            page.wait_for_function("(l) => { const el = document.querySelectorAll('.js-plotly-plot')[0];"
+                                   " return el.layout.yaxis.title.text === l && (el.layout.shapes || []).length > 0"
+                                   " && el.layout.xaxis.title.text === 'capacity (req/s)'; }", arg=label)
+            assert [target, target] in [s[2:] for s in plot_shapes(page, 0)]
+            assert page.get_by_text(f"latency target {exp['study'].user_attrs['latency_metric']}<{target:g}ms",
+                                    exact=False).count() >= 1
         no_exception(page)
 
         # latency-load curves of the recommendation and the baseline (or the note of an older study)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 
 import pytest
 
-from tests.conftest import REPO, assert_one_line_error, run_tuner
+from tests.conftest import REPO, TINY_SEARCH, assert_one_line_error, run_tuner
 
 SPACE = str(REPO / "tests" / "data" / "tiny_space.yaml")
 
@@ -20,26 +21,27 @@ def search(tmp_path, *extra):
 
 
 @pytest.mark.slow
-def test_tiny_search_recommends_and_resumes(tmp_path):
+def test_tiny_search_recommends_and_resumes(tiny_search, tmp_path):
+    """The session's tiny search (tests/conftest.py: 3 trials at e2e:p50<60s, quality, --target-rate 10) is read
+    here, and the dashboard's browser tests read its study too; the resume runs on a copy of its results."""
     import optuna
 
-    proc = search(tmp_path, "--latency-target", "60s", "--latency-metric", "e2e:p50", "--trials", "3",
-                  "--target-rate", "10")
+    searched, proc = tiny_search
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RECOMMENDED: trial" in proc.stdout and "within the SLO" in proc.stdout
-    rec = json.loads((tmp_path / "tiny" / "recommendation.json").read_text())
+    rec = json.loads((searched / "tiny" / "recommendation.json").read_text())
     r = rec["recommendation"]
     # the space holds drafts: on a loaded host an ngram draft's trial (transformers-assisted) can measure highest
     assert r["config"]["model"] == "smollm2-135m" and r["engine"] in ("transformers-cb", "transformers-assisted")
     assert rec["slo"]["bounds"] == ["e2e:p50<60000ms"] and rec["workload"]["input_len"] == [32, 64]
-    storage = f"sqlite:///{tmp_path / 'tuner.db'}"
+    storage = f"sqlite:///{searched / 'tuner.db'}"
     study = optuna.load_study(study_name="tiny", storage=storage)
     by_number = {t.number: t for t in study.trials}
     own = by_number[r["trial"]].user_attrs["capacity"]
     # the pick was re-measured after the last trial (a fresh child bench) and the answer reports that measure
     confirmed = study.user_attrs["confirmed"][str(r["trial"])]
     cap = confirmed["capacity"]
-    written = json.loads((tmp_path / "tiny" / "trials" / f"{r['trial']:04d}" / "confirm-1" / "bench.json").read_text())
+    written = json.loads((searched / "tiny" / "trials" / f"{r['trial']:04d}" / "confirm-1" / "bench.json").read_text())
     assert written["metrics"]["capacity"]["requests_per_s"] == cap["requests_per_s"] == r["capacity_requests_per_s"]
     assert r["confirmed"] and r["in_trial_requests_per_s"] == own["requests_per_s"]
     assert "re-measured after the search" in proc.stdout and study.user_attrs.get("confirming") is None
@@ -53,7 +55,7 @@ def test_tiny_search_recommends_and_resumes(tmp_path):
     base = by_number[0]
     assert rec["baseline"]["trial"] == 0 and base.user_attrs["config"]["quant"] == "fp32"
     assert base.user_attrs["capacity"]["cost"]["requests"] > 0  # the default measured the same way
-    rows = list(csv.DictReader(open(tmp_path / "tiny" / "trials.csv")))
+    rows = list(csv.DictReader(open(searched / "tiny" / "trials.csv")))
     assert len(rows) == 3 and rows[0]["quant"] == "fp32" and rows[0]["batch_cap"] == "1"
     assert all(row["capacity_verdict"] in ("meets", "misses", "indeterminate") for row in rows)
     first = [(t.number, t.params, t.state) for t in study.trials]
@@ -63,33 +65,37 @@ def test_tiny_search_recommends_and_resumes(tmp_path):
     assert study.user_attrs["recommended_trial"] == r["trial"]
 
     # closed loop: the transformers export of the recommendation re-measures the same configuration, workload and
-    # SLO (recorded in the export) with the capacity measure
+    # SLO (recorded in the export) with the capacity measure (one rate probe: what is checked is what it measured,
+    # not the capacity it found)
     exported = tmp_path / "exported.json"
     proc_x = run_tuner("export", "--study", "tiny", "--storage", storage, "--best", "--to", "transformers",
                        "-o", str(exported))
     assert proc_x.returncode == 0, proc_x.stderr[-2000:]
     again = tmp_path / "again.json"
     proc_b = run_tuner("bench", "--config", str(exported), "--capacity", "--probe-requests", "8:12",
-                       "--max-probes", "2", "--json", str(again), "--quiet", "--no-bandwidth")
+                       "--max-probes", "1", "--json", str(again), "--quiet", "--no-bandwidth")
     assert proc_b.returncode == 0, proc_b.stderr[-2000:]
     re = json.loads(again.read_text())
     assert re["config"] == r["config"]
     assert re["workload"] == by_number[r["trial"]].user_attrs["workload"]
     assert re["metrics"]["capacity"]["slo"] == cap["slo"]  # the SLO came from the export, not from a flag
 
-    # the same command with a larger budget resumes the study: finished trials stay, one more is added
-    proc2 = search(tmp_path, "--latency-target", "60s", "--latency-metric", "e2e:p50", "--trials", "4",
-                   "--target-rate", "10")
+    # the same command with a larger budget resumes the study (a copy of the session's results: others read them):
+    # finished trials stay, one more is added
+    resumed = tmp_path / "resumed"
+    shutil.copytree(searched, resumed)
+    storage = f"sqlite:///{resumed / 'tuner.db'}"
+    proc2 = run_tuner(*TINY_SEARCH, "--results-dir", str(resumed), "--trials", "4", timeout=1800)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     study = optuna.load_study(study_name="tiny", storage=storage)
     assert len(study.trials) == 4
     assert [(t.number, t.params, t.state) for t in study.trials[:3]] == first
     # quality is scored once per format: the resumed run reused the cache (no quality.log for a known format)
     quants = [t.user_attrs["config"]["quant"] for t in study.trials]
-    logs = sorted(p.parent.name for p in (tmp_path / "tiny" / "trials").glob("*/quality.log"))
+    logs = sorted(p.parent.name for p in (resumed / "tiny" / "trials").glob("*/quality.log"))
     assert len(logs) == len(set(quants))
     # resuming with a study-defining setting changed is refused, in one line, before any trial runs
-    proc3 = search(tmp_path, "--latency-target", "30s", "--latency-metric", "e2e:p50", "--trials", "5")
+    proc3 = search(resumed, "--latency-target", "30s", "--latency-metric", "e2e:p50", "--trials", "5")
     assert_one_line_error(proc3, "study 'tiny' already exists with slo.bounds")
     assert len(optuna.load_study(study_name="tiny", storage=storage).trials) == 4
 
@@ -142,14 +148,15 @@ def test_bad_space_file_via_cli(tmp_path):
 def test_llamacpp_search_recommends_the_exact_server_command(tmp_path):
     """`tuner search --engine llamacpp`: every trial is a real llama-server; quality is llama-perplexity's on the
     served GGUF + KV type; the answer prints the exact llama-server argv that was measured, and `tuner export --to
-    llamacpp` of the recommendation writes that same argv."""
+    llamacpp` of the recommendation writes that same argv. One rate probe per trial: nothing here reads a capacity
+    beyond the recommendation's existence, and one probe at half the saturation rate shows a 60 s e2e p50 met."""
     import optuna
 
     space = str(REPO / "tests" / "data" / "tiny_llamacpp_space.yaml")
     proc = run_tuner("search", "--model", "smollm2-135m", "--engine", "llamacpp", "--space", space,
                      "--strategy", "measure", "--results-dir", str(tmp_path), "--study", "tinyllama", "--seed", "0",
                      "--quiet",
-                     "--probe-requests", "8:12", "--max-probes", "2", "--latency-target", "60s",
+                     "--probe-requests", "8:12", "--max-probes", "1", "--latency-target", "60s",
                      "--latency-metric", "e2e:p50", "--trials", "3", "--max-quality-drop", "30", "--confirm", "0",
                      timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
