@@ -175,7 +175,9 @@ def format_of(config: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def describe_format(fmt: tuple[Any, ...]) -> str:
-    return " ".join(f"{k}={v}" for k, v in zip(FORMAT_FIELDS, fmt))
+    """'quant=Q8_0 kv_type=auto threads=1 ubatch=0 on llamacpp' (the engine last: one space's formats read alike)."""
+    named = dict(zip(FORMAT_FIELDS, fmt))
+    return " ".join(f"{k}={v}" for k, v in named.items() if k != "engine") + f" on {named['engine']}"
 
 
 def profile_order(formats: Sequence[tuple[Any, ...]], baseline: tuple[Any, ...], seed: int,
