@@ -136,7 +136,7 @@ def test_quality_and_search_through_a_running_vllm(vllm_server, tmp_path):
     cached = sorted(p.name for p in (results / "quality").rglob("*"))
     proc = run_tuner("search", "--endpoint", vllm_server, "--model", MODEL, "--latency-target", "60s",
                      "--latency-metric", "e2e:p50", "--trials", "1", "--results-dir", str(results),
-                     "--study", "ep", "--quiet", "--probe-requests", "8:12", "--max-probes", "2",
+                     "--study", "ep", "--quiet", "--probe-requests", "8:12", "--max-probes", "1",
                      "--saturation-requests", "8", "--requests", "24", "--quality-tasks", "arc_easy",
                      "--quality-limit", "30", "--max-quality-drop", "30", "--confirm", "0", env=env, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -125,14 +125,16 @@ def test_one_study_across_engines_names_each_engines_best_and_its_command(tmp_pa
     line is exactly what `tuner export` writes for that trial (argv and environment). Capacity only (--no-quality):
     nothing here reads a quality score, and each engine's scorer runs elsewhere (vLLM's in
     test_quality_through_the_vllm_endpoint_matches_the_transformers_path; transformers' and llama.cpp's inside a
-    search in tests/test_search_e2e.py) -- here it cost ~95 s, a vLLM start of its own among it."""
+    search in tests/test_search_e2e.py) -- here it cost ~95 s, a vLLM start of its own among it. One rate probe per
+    trial (--max-probes 1): nothing here reads a capacity beyond each engine's best existing, and one probe at half
+    the saturation rate shows a 60 s e2e p50 met."""
     import optuna
 
     spaces = ",".join(str(REPO / "tests" / "data" / f)
                       for f in ("tiny_space.yaml", "tiny_llamacpp_space.yaml", "tiny_vllm_space.yaml"))
     proc = run_tuner("search", "--model", MODEL, "--engine", "transformers,llamacpp,vllm", "--space", spaces,
                      "--results-dir", str(tmp_path), "--study", "engines", "--seed", "0", "--quiet",
-                     "--probe-requests", "8:12", "--max-probes", "2", "--latency-target", "60s",
+                     "--probe-requests", "8:12", "--max-probes", "1", "--latency-target", "60s",
                      "--latency-metric", "e2e:p50", "--trials", "4", "--no-quality", "--confirm", "0",
                      timeout=2400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
