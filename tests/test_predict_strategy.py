@@ -255,6 +255,31 @@ def test_without_a_timeout_every_format_within_the_profile_cap_is_predicted() ->
     assert (best.config["quant"], best.config["batch_cap"]) == ("Q8_0", 4)  # the faster steps, the most slots
 
 
+class OneFormatTooSlow(SimulatedProfiles):
+    """Q8_0's profile so slow (30 s a decode step) that no simulated request ends within the request timeout."""
+
+    def measure(self, members: list[st.Prediction], cap: int) -> dict[str, Any]:
+        from tuner.predict.simulate import StepModel
+
+        if members[0].config["quant"] != "Q8_0":
+            return super().measure(members, cap)
+        self.profiled.append("Q8_0")
+        return simulated_profile(StepModel(decode_base_s=30.0, decode_per_seq_s=1.0, prefill_base_s=0.003,
+                                           prefill_per_token_s=1e-4, noise_sigma=0.1), cap, "sim-slow")
+
+
+def test_a_format_whose_simulation_fails_is_left_out_said_and_the_rest_predicted() -> None:
+    """A simulation that cannot run (every simulated warm-up request times out) does not end the search: that
+    format's configurations are not predicted, not measured, with the reason; the others are predicted."""
+    strategy = OneFormatTooSlow(pool)
+    strategy.prepare(context(load_space(SPACE)), time_left_s=None)
+    assert strategy.profiled == ["Q4_1", "Q8_0"]
+    assert {p.config["quant"] for p in strategy.predictions} == {"Q4_1"} and len(strategy.predictions) == 3
+    assert [e["configurations"] for e in strategy.left_out] == [1, 1, 1]
+    assert all("quant=Q8_0" in e["why"] and "its simulation failed (RuntimeError: every warm-up request failed" in e["why"]
+               for e in strategy.left_out)
+
+
 class SimulatedAcrossEngines(SimulatedProfiles):
     """Profiles on simulated engines for every (engine, weight type) of the tiny spaces: transformers' steps slower."""
 

@@ -364,12 +364,20 @@ class PredictStrategy:
         by_cap: dict[int, list[Prediction]] = {}
         for p in members:
             by_cap.setdefault(p.config["batch_cap"], []).append(p)
+        from tuner.errors import one_line
+
         model = step_model(profile)
         for cap, same in sorted(by_cap.items()):
             config = TrialConfig.from_dict(same[0].config)
             requests = self.pool(config, options)
             t = time.perf_counter()
-            got = simulated_capacity(model, cap, requests, options, token_budget(config), self.seed)
+            try:
+                got = simulated_capacity(model, cap, requests, options, token_budget(config), self.seed)
+            except Exception as e:  # e.g. a profile so slow no simulated request ends in time: said, left out
+                for p in same:
+                    self.leave_out(p, f"{describe_format(format_of(p.config))} at batch cap {cap}: its simulation "
+                                      f"failed ({one_line(e)})")
+                continue
             self.timing.setdefault("point_s", []).append(time.perf_counter() - t)
             for p in same:
                 p.rps, p.profile = float(got.get("requests_per_s") or 0.0), profile["id"]
@@ -399,8 +407,18 @@ class PredictStrategy:
                 config = TrialConfig.from_dict(p.config)
                 requests = self.pool(config, options)
                 t = time.perf_counter()
-                got = predict(self.by_id[p.profile], config, requests, options, replicates=BAND_REPLICATES,
-                              seed=self.seed, history=histories.get(p.profile) or (), curve=False)
+                try:
+                    got = predict(self.by_id[p.profile], config, requests, options, replicates=BAND_REPLICATES,
+                                  seed=self.seed, history=histories.get(p.profile) or (), curve=False)
+                except Exception as e:  # a resampled fit's simulation failed: the point stands, without a band
+                    from tuner.errors import one_line
+
+                    spent += time.perf_counter() - t
+                    done[k] = None, []
+                    self.notes.append(f"profile {p.profile} batch cap {k[1]}: no band ({one_line(e)}): its "
+                                      "prediction is ranked by the calibration's spread alone")
+                    p.band, p.extrapolated = done[k]
+                    continue
                 spent += time.perf_counter() - t
                 lo, hi = got["capacity"]["band"]
                 extra = [n for n in got["notes"] if n.startswith(("extrapolated", "the band is widened"))]
