@@ -34,6 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_search: the grid's space, key and feasibility
 
+GRID_DEVICE = "auto"  # the grid's configurations' device (a profile is keyed by it: the same one is reused)
 GRID_WORKLOAD = {"input_len": (32, 128), "output_len": (16, 32)}  # bench_search.py grid's defaults
 GRID_CAPACITY = {"max_probes": 3, "capacity_timeout_s": 90.0}  # its probes (30:45) cannot show p90 under today's rule
 GOAL_SHARE = 0.95
@@ -54,7 +55,8 @@ def context(data: dict[str, Any], space_path: Path, engine: str) -> Any:
 
     ctx = search_context(data, space_path)
     probes = probe_requests_for(ctx.slo, GRID_CAPACITY["max_probes"], None)
-    return replace(ctx, workload=WorkloadSpec(requests=48, **GRID_WORKLOAD), probe_requests=probes, **GRID_CAPACITY)
+    return replace(ctx, device=GRID_DEVICE, workload=WorkloadSpec(requests=48, **GRID_WORKLOAD), probe_requests=probes,
+                   **GRID_CAPACITY)
 
 
 def pool_maker(ctx: Any) -> Any:
@@ -88,7 +90,7 @@ def replay_predict(data: dict[str, Any], ctx: Any, seed: int, pool_for: Any) -> 
     order: list[dict[str, Any]] = []
 
     def objective(trial: Any) -> Any:
-        config = suggest_config(trial, ctx.space, MODEL, "cpu")
+        config = suggest_config(trial, ctx.space, MODEL, ctx.device)
         r = surface[key(config.to_dict())]
         order.append(r)
         trial.set_user_attr("config", config.to_dict())
