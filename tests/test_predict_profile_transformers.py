@@ -129,6 +129,7 @@ def tuner_json(tmp_path: Path, name: str, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_the_profiled_model_predicts_the_real_engine_at_two_rates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   canary) -> None:
     from tuner.cli import main
