@@ -97,7 +97,7 @@ def test_a_profile_of_another_build_or_host_is_measured_again_with_a_note(tmp_pa
 # ------------------------------------------------------------------------------------------------- real --- #
 @pytest.fixture(scope="module")
 def canary():
-    """The engine's own speed now: (TTFT, median inter-token gap) of one fresh 96-token prompt, 17 tokens out, alone
+    """The engine's own speed now: (TTFT, inter-token gap) medians of three fresh 96-token prompts, 17 tokens out, alone
     on a second, idle transformers engine of the same format (cap 1), warmed up first."""
     import random
 
@@ -110,10 +110,10 @@ def canary():
     rng = random.Random(0)
     engine.start()
 
-    def speed() -> tuple[float, float]:
-        r = run_load(engine, prof.fresh_prompts(pool, 1, 96, 17, rng), concurrency=1, progress=False).results[0]
-        assert r.ok, r.error
-        return r.ttft_ms, statistics.median(r.itl_ms)
+    def speed() -> tuple[float, float]:  # medians of 3 requests, one at a time (one TTFT alone moved 25% quiet)
+        rs = run_load(engine, prof.fresh_prompts(pool, 3, 96, 17, rng), concurrency=1, progress=False).results
+        assert all(r.ok for r in rs), [r.error for r in rs]
+        return statistics.median(r.ttft_ms for r in rs), statistics.median(g for r in rs for g in r.itl_ms)
 
     try:
         speed()
@@ -146,7 +146,7 @@ def test_the_profiled_model_predicts_the_real_engine_at_two_rates(tmp_path: Path
     assert limits["token_budget"] == profile["engine"]["settings"]["max_batch_tokens"]
     assert limits["kv_tokens"] == kv["tokens"]  # at the profiled KV fraction: the engine's own figure
     out = tmp_path / "predict.json"
-    assert main(["predict", *FLAGS, *WORKLOAD, "--slo", "ttft:p90<2s", "--at-share", "0.5", "--at-share", "1.0",
+    assert main(["predict", *FLAGS, *WORKLOAD, "--slo", "ttft:p90<2s", "--at-share", "1.0", "--at-share", "1.3",
                  "--json", str(out)]) == 0
     predicted = json.loads(out.read_text())
     assert predicted["predicted"] is True and predicted["profile_cached"] is True

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import random
 import statistics
@@ -149,11 +150,12 @@ def transformers_limits(profile: dict[str, Any], config: TrialConfig) -> dict[st
     kv = (profile.get("engine") or {}).get("kv") or {}
     fraction = ((profile.get("engine") or {}).get("settings") or {}).get("max_memory_percent")
     tokens = None
-    if kv.get("tokens") and fraction:
-        tokens = max(1, int(kv["tokens"] * config.kv_fraction / fraction))
+    same = bool(fraction) and math.isclose(config.kv_fraction, fraction, rel_tol=1e-9)
+    if kv.get("tokens") and fraction:  # at the profiled fraction: the engine's own figure (no float round trip)
+        tokens = kv["tokens"] if same else max(1, int(kv["tokens"] * config.kv_fraction / fraction))
     return {"kv_tokens": tokens, "token_budget": batch_tokens(config.batch_cap),
             "source": f"KV {kv.get('num_blocks')} blocks x {kv.get('block_tokens')} tokens at kv_fraction {fraction}"
-                      + ("" if config.kv_fraction == fraction else f", scaled to {config.kv_fraction}")}
+                      + ("" if same else f", scaled to {config.kv_fraction}")}
 
 
 SIDES: dict[str, Side] = {
