@@ -26,10 +26,14 @@ earlier may be off by the host's drift. Measured capacities are kept in --measur
 configuration and the flags) so a rerun re-scores without measuring again (--remeasure to measure anyway).
 
 A measured capacity of 0 (no rate shown to meet the SLO within the budget) has no relative error: it is counted in
-Spearman's rho and the top 3, and said beside the prediction.
+Spearman's rho and the top 3, and said beside the prediction. A measured capacity is the highest rate shown to meet;
+its interval runs to the lowest rate shown to miss (or the saturation rate). Where that interval is wider than 10%
+(the capacity search's own tolerance: the budget ran out first) the measured figure is a lower bound, and its
+relative error says little: the errors are given over every configuration and over the resolved ones alone, and
+the count of predictions inside the measured interval beside them.
 
 Usage: .venv/bin/python benchmarks/bench_predict_accuracy.py [--quants Q8_0,Q4_0] [--caps 1,4] [--kv-types auto]
-       [--threads 1] [--slo "e2e:p50<20s"] [--probe-requests 8:12] [--max-probes 3] [--capacity-timeout 5m]
+       [--threads 1] [--slo "e2e:p50<20s"] [--probe-requests 8:12] [--max-probes 6] [--capacity-timeout 5m]
        [--input-len 64:128] [--output-len 16:32] [--measured-cache FILE] [--remeasure] [--json out.json]
        .venv/bin/python benchmarks/bench_predict_accuracy.py --engine transformers
        --grid benchmarks/data/capacity-grid-smollm2-cpu.json [--refresh-profile] [--json out.json]
@@ -69,16 +73,47 @@ def quantile(xs: list[float], q: float) -> float:
     return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
 
 
+RESOLVED = 0.1  # a measured capacity is resolved when its interval's upper end is within 10% of its lower end
+
+
+def resolved(row: dict[str, Any]) -> bool | None:
+    """Whether the measured capacity is known to the capacity search's own tolerance: its interval (the highest rate
+    shown to meet .. the lowest shown to miss, or the saturation rate) no wider than RESOLVED of its upper end. A
+    capacity measured with a wide interval is a lower bound: its relative error says little. None: no interval."""
+    ci = row.get("measured_ci") or []
+    if len(ci) != 2 or ci[0] is None or ci[1] is None or not ci[0]:
+        return None
+    return ci[1] - ci[0] <= RESOLVED * ci[1]
+
+
+def inside_measured(row: dict[str, Any]) -> bool | None:
+    """Whether the predicted capacity lies within the measured capacity's interval."""
+    ci, p = row.get("measured_ci") or [], row.get("predicted_rps")
+    if p is None or len(ci) != 2 or ci[0] is None or ci[1] is None:
+        return None
+    return ci[0] <= p <= ci[1]
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def score(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The grid's figures over the configurations with both a prediction and a measured capacity."""
+    """The grid's figures over the configurations with both a prediction and a measured capacity; the relative
+    errors also over the resolved measurements alone (see `resolved`)."""
     from scipy.stats import spearmanr
 
     both = [r for r in rows if r.get("predicted_rps") is not None and r.get("measured_rps") is not None]
     errs = [abs(r["signed_error"]) for r in both if r.get("signed_error") is not None]
+    sharp = [abs(r["signed_error"]) for r in both if r.get("signed_error") is not None and resolved(r)]
+    inside = [inside_measured(r) for r in both if inside_measured(r) is not None]
     out: dict[str, Any] = {"n": len(both), "n_with_error": len(errs),
                            "median_abs": statistics.median(errs) if errs else None,
                            "p90_abs": quantile(errs, 0.9) if errs else None, "spearman_rho": None,
-                           "best_in_top3": None}
+                           "best_in_top3": None, "n_resolved": len(sharp),
+                           "median_abs_resolved": statistics.median(sharp) if sharp else None,
+                           "p90_abs_resolved": quantile(sharp, 0.9) if sharp else None,
+                           "n_inside_measured_interval": sum(inside), "n_with_interval": len(inside)}
     if len(both) >= 3:
         rho = spearmanr([r["predicted_rps"] for r in both], [r["measured_rps"] for r in both]).statistic
         out["spearman_rho"] = None if rho != rho else float(rho)  # NaN: a constant side
@@ -207,7 +242,10 @@ def transformers_grid(args: argparse.Namespace) -> int:
           f"{time.perf_counter() - t0:.0f} s: |predicted - measured| / measured over the {s['n_with_error']} others "
           f"median {fmt['median_abs']} (goal <= 10%), p90 {fmt['p90_abs']} (goal <= 20%); Spearman rho "
           f"{fmt['spearman_rho']} (goal >= 0.9); the measured best ({s.get('measured_best', '-')}) within the "
-          f"predicted top 3 ({', '.join(s.get('predicted_top3') or [])}): {s['best_in_top3']}. Measured: the grid "
+          f"predicted top 3 ({', '.join(s.get('predicted_top3') or [])}): {s['best_in_top3']}; over the "
+          f"{s['n_resolved']} measured to {RESOLVED:.0%} (the others are lower bounds): median "
+          f"{pct(s['median_abs_resolved'])}, p90 {pct(s['p90_abs_resolved'])}; the prediction inside the measured "
+          f"interval in {s['n_inside_measured_interval']} of {s['n_with_interval']}. Measured: the grid "
           f"(an earlier day); predicted: now, from profiles only.")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "score": s, "profiles": profiles, "args": vars(args)},
@@ -219,7 +257,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=("llamacpp", "transformers"), default="llamacpp")
     ap.add_argument("--grid", help="transformers: the measured grid (bench_search.py grid's JSON) to score against")
-    ap.add_argument("--refresh-profile", action="store_true", help="transformers: measure each format's profile anew")
+    ap.add_argument("--refresh-profile", action="store_true", help="measure each format's profile anew (llama.cpp: at "
+                    "its widest -np, before its first prediction)")
     ap.add_argument("--quick-profile", action="store_true", help="transformers: profile each format with the quick "
                     "protocol (2 prefill repeats, 1 decode wave) when it has none cached (or with --refresh-profile)")
     ap.add_argument("--quants-only", help="transformers: predict only these formats of the grid (comma-separated)")
@@ -231,7 +270,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="llama-server -t (default 1: 2 shared cores)")
     ap.add_argument("--slo", default="e2e:p50<20s")
     ap.add_argument("--probe-requests", default="8:12")
-    ap.add_argument("--max-probes", default="3")
+    ap.add_argument("--max-probes", default="6", help="rate probes per measured capacity (default 6: enough to "
+                    "bisect the interval to about the search's 10%% tolerance)")
     ap.add_argument("--capacity-timeout", default="5m")
     ap.add_argument("--input-len", default="64:128")
     ap.add_argument("--output-len", default="16:32")
@@ -254,12 +294,14 @@ def main() -> int:
     t0 = time.perf_counter()
     for quant in args.quants.split(","):
         for kv in args.kv_types.split(","):
-            for cap in sorted((int(c) for c in args.caps.split(",")), reverse=True):  # the profile at the widest
+            caps = sorted((int(c) for c in args.caps.split(",")), reverse=True)  # the profile at the widest
+            for cap in caps:
                 name = f"{quant} -np {cap} kv {kv}"
                 config = ["--model", MODEL, "--engine", "llamacpp", "--quant", quant, "--batch-cap", str(cap),
                           "--kv-type", kv, "--threads", str(args.threads)]
                 key = " ".join(config + work + capacity)
-                pred, pred_s, err = tuner_json("predict", *config, *work, *capacity)
+                refresh = ["--refresh-profile"] if args.refresh_profile and cap == caps[0] else []
+                pred, pred_s, err = tuner_json("predict", *config, *work, *capacity, *refresh)
                 row: dict[str, Any] = {"name": name, "quant": quant, "batch_cap": cap, "kv_type": kv,
                                        "predict_command_s": pred_s}
                 if pred is None:
@@ -291,6 +333,8 @@ def main() -> int:
                         row["signed_error"] = (row["predicted_rps"] - m) / m if m else None
                         band = row["predicted_band"]
                         row["within_band"] = band[0] is not None and band[0] <= m <= band[1]
+                        row["inside_measured_interval"] = inside_measured(row)
+                    row["resolved"] = resolved(row)
                 rows.append(row)
                 pr = row.get("predicted_rps")
                 print(f"{name}: predicted {'-' if pr is None else f'{pr:.3f}'} req/s "
@@ -300,6 +344,8 @@ def main() -> int:
                          f"({row['measured_verdict']}, {row['measured_wall_s']:.0f} s)" if "measured_rps" in row
                          else f"; not measured{': ' + row['measure_error'] if row.get('measure_error') else ''}")
                       + (f"; error {row['signed_error']:+.0%}" if row.get("signed_error") is not None else "")
+                      + ("" if row.get("resolved") is not False else
+                         f" (measured interval wider than {RESOLVED:.0%}: a lower bound)")
                       + (f"; predict failed: {row['predict_error']}" if row.get("predict_error") else ""),
                       flush=True)
     s = score(rows)
@@ -308,7 +354,11 @@ def main() -> int:
     print(f"grid of {len(rows)} ({s['n']} predicted and measured), SLO {args.slo}, {time.perf_counter() - t0:.0f} s: "
           f"|predicted - measured| / measured median {fmt['median_abs']} (goal <= 10%), p90 {fmt['p90_abs']} "
           f"(goal <= 20%); Spearman rho {fmt['spearman_rho']} (goal >= 0.9); the measured best "
-          f"({s.get('measured_best', '-')}) within the predicted top 3: {s['best_in_top3']}")
+          f"({s.get('measured_best', '-')}) within the predicted top 3: {s['best_in_top3']}; over the "
+          f"{s['n_resolved']} measured to {RESOLVED:.0%} (the others are lower bounds): median "
+          f"{pct(s['median_abs_resolved'])}, p90 {pct(s['p90_abs_resolved'])}; the prediction inside the measured "
+          f"interval in {s['n_inside_measured_interval']} of {s['n_with_interval']}. Measured: `tuner bench "
+          f"--capacity` here and now; predicted: from the profiles alone.")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "score": s, "args": vars(args)}, indent=2))
     return 0
