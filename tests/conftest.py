@@ -171,6 +171,7 @@ TEST_TIERS = {
     "test_predict_profile_transformers.py::test_a_draft_is_refused_in_one_line_before_anything_is_measured": set(),
     "test_predict_profile_transformers.py::test_a_profile_of_another_build_or_host_is_measured_again_with_a_note":
         set(),
+    "test_predict_profile_vllm.py::test_a_real_vllm_profile_reads_the_servers_limits_and_predicts": {"server"},
 }
 GUARDED = {"unit", "slow"}  # a test with no other tier may not load a model or start an engine, browser or DB
 TIERS = pytest.StashKey[set]()

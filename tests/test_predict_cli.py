@@ -10,8 +10,10 @@ BASE = ["--model", "smollm2-135m", "--slo", "ttft:p90<2s"]
 
 
 @pytest.mark.parametrize("args,needles", [
-    (["predict", *BASE, "--engine", "vllm"], ["--engine 'vllm'", "expected --engine transformers or llamacpp"]),
-    (["profile", "--model", "smollm2-135m", "--engine", "vllm"], ["expected --engine transformers or llamacpp"]),
+    (["predict", *BASE, "--engine", "endpoint", "--endpoint", "http://127.0.0.1:1"],
+     ["--engine 'endpoint'", "expected --engine transformers, llamacpp or vllm"]),
+    (["profile", "--model", "smollm2-135m", "--engine", "endpoint", "--endpoint", "http://127.0.0.1:1"],
+     ["expected --engine transformers, llamacpp or vllm"]),
     (["profile", "--model", "smollm2-135m", "--draft", "ngram:3"], ["--draft 'ngram:3'", "expected --draft none"]),
     (["predict", *BASE, "--draft", "ngram:3"], ["--draft 'ngram:3'", "expected --draft none"]),
     (["predict", *BASE, "--engine", "llamacpp", "--at-share", "0"], ["--at-share 0.0 is invalid"]),

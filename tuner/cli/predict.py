@@ -32,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Predict what `tuner bench --capacity` would measure: the real capacity search "
                                    "(same bracket and verdict rules) run on a simulated engine whose step times come "
                                    "from this host's engine profile (`tuner profile`, measured first when missing). "
-                                   "Every figure is predicted. llama.cpp only so far.")
+                                   "Every figure is predicted. Engines with a profile: llama.cpp, transformers "
+                                   "(continuous batching) and vLLM.")
     add_config_args(p)
     add_workload_args(p)
     add_capacity_args(p)  # --capacity is implied (accepted for the same command line as bench)

@@ -16,8 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "decode step time against running sequences and context, and prefill time against "
                                    "prompt tokens; fit the step model and cache it under $TUNER_CACHE/profiles, keyed "
                                    "by engine build, model hash, format and host. Engines with a profile so far: "
-                                   "llama.cpp and transformers (continuous batching); a configuration with a draft "
-                                   "is not profiled.")
+                                   "llama.cpp, transformers (continuous batching) and vLLM; a configuration with a "
+                                   "draft is not profiled.")
     add_config_args(p)
     p.add_argument("--refresh", action="store_true", help="measure again even when a profile is cached")
     p.add_argument("--json", metavar="FILE", help="also write the profile to FILE")
@@ -60,6 +60,10 @@ def format_profile(p: dict[str, Any]) -> str:
     if kv:
         lines.append(f"  KV cache the engine allocated: {kv['num_blocks']} blocks x {kv['block_tokens']} tokens = "
                      f"{kv['tokens']} tokens")
+    budget = (p.get("engine") or {}).get("max_num_batched_tokens")
+    if budget:
+        lines.append(f"  step budget the engine reported: max_num_batched_tokens {budget} (chunked prefill "
+                     f"{'on' if p['engine'].get('chunked_prefill') else 'off'})")
     lines.extend(f"  note: {n}" for n in p.get("notes") or [])
     return "\n".join(lines)
 

