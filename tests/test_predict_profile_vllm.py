@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.test_predict_profile_transformers import written  # a cached profile file of a given key
 from tuner.config import TrialConfig
 from tuner.measure.capacity import CapacityOptions
 from tuner.measure.workload import Request
@@ -98,16 +99,6 @@ def test_the_key_names_the_vllm_build_the_checkpoint_and_the_speed_knobs() -> No
     # the batch cap, the KV space and prefix caching are configurations of one profile; the step budget is not
     assert prof.profile_key(CONFIG.replace(batch_cap=8, kv_fraction=0.1, prefix_cache="off")) == key
     assert prof.profile_id(prof.profile_key(CONFIG.replace(batched_tokens=512))) != prof.profile_id(key)
-
-
-def written(path: Path, key: dict[str, Any], cap: int = 4) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model = {"decode_base_s": 0.0, "decode_per_seq_s": 0.0, "decode_per_context_token_s": 1e-6,
-             "prefill_base_s": 0.01, "prefill_per_token_s": 1e-4, "noise_sigma": 0.0,
-             "decode_by_batch_s": [[1, 0.05], [cap, 0.08]]}
-    path.write_text(json.dumps({"version": prof.VERSION, "id": prof.profile_id(key), "key": key,
-                                "measured_at": "earlier", "batch_cap": cap, "fit": {"model": model},
-                                "ranges": {}, "samples": {}, "notes": []}))
 
 
 def test_a_profile_of_another_vllm_version_or_checkpoint_is_measured_again_with_a_note(
