@@ -101,6 +101,16 @@ def pool_digest(pool: Sequence[Request]) -> str:
 _SEARCHES: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()  # the last SEARCHES_KEPT searches
 
 
+def binding_kv(kv_tokens: int | None, batch_cap: int, pool: Sequence[Request]) -> int | None:
+    """`kv_tokens`, or None where it never binds: `batch_cap` requests of the pool's largest prompt + output fit in
+    it (a capacity search sends only the pool's requests, its canary shorter ones), so the simulation is the same to
+    the last bit and KV spaces that differ only there share one (cached) search."""
+    if kv_tokens is None:
+        return None
+    largest = max((max(1, len(r.prompt_ids)) + r.max_tokens for r in pool), default=0)
+    return None if batch_cap * largest <= kv_tokens else kv_tokens
+
+
 def simulated_capacity(model: StepModel, batch_cap: int, pool: Sequence[Request], options: CapacityOptions,
                        budget: int | None, seed: int, kv_tokens: int | None = None) -> dict[str, Any]:
     """One capacity search in virtual time; the real host's CPU accounting (meaningless here) left out. A pure
@@ -109,6 +119,7 @@ def simulated_capacity(model: StepModel, batch_cap: int, pool: Sequence[Request]
     again)."""
     import copy
 
+    kv_tokens = binding_kv(kv_tokens, batch_cap, pool)
     key = (model, batch_cap, pool_digest(pool), options, budget, seed, kv_tokens)
     if key in _SEARCHES:
         _SEARCHES.move_to_end(key)
