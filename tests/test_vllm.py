@@ -136,7 +136,7 @@ def test_one_study_across_engines_names_each_engines_best_and_its_command(tmp_pa
                      "--results-dir", str(tmp_path), "--study", "engines", "--seed", "0", "--quiet",
                      "--probe-requests", "8:12", "--max-probes", "1", "--latency-target", "60s",
                      "--latency-metric", "e2e:p50", "--trials", "4", "--no-quality", "--confirm", "0",
-                     timeout=2400)
+                     "--strategy", "measure", timeout=2400)  # the measure loop (every engine is profiled now)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RECOMMENDED: trial" in proc.stdout and "best per engine" in proc.stdout
     storage = f"sqlite:///{tmp_path / 'tuner.db'}"
