@@ -322,8 +322,9 @@ class PredictStrategy:
         self.timing["profile_s"] = spent_s
         for k in (k for k in space.knobs.values() if k.choices is None):
             self.notes.append(f"{k.name}: {CONTINUOUS_VALUES} values of its range (+ the baseline's) predicted" +
-                              ("; the simulator does not model it: configurations differing only in it share one "
-                               "prediction" if k.name == "kv_fraction" else ""))
+                              ("; the simulator admits by the KV capacity it gives (the engine's own limits): "
+                               "configurations whose KV holds every request alike share one prediction"
+                               if k.name == "kv_fraction" else ""))
 
     def fail(self, fmt: tuple[Any, ...], members: list[Prediction], e: Exception) -> None:
         from tuner.errors import one_line
