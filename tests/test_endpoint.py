@@ -1,6 +1,7 @@
 """`--endpoint URL`: measuring a running OpenAI-compatible server the tuner did not launch. The servers here are
-started by the tests themselves (a llama-server from `make llamacpp`, a vLLM from `make vllm`), each behind an API
-key, which reaches the tuner only through $TUNER_API_KEY and is never written to a result."""
+started by the tests themselves (a llama-server from `make llamacpp`; a vLLM from `make vllm`, run from its exported
+serve.sh by tests/conftest.py's session fixture `exported_vllm_server`, which tests/test_export_run.py also reads),
+each behind an API key, which reaches the tuner only through $TUNER_API_KEY and is never written to a result."""
 
 from __future__ import annotations
 
@@ -11,10 +12,8 @@ import pytest
 
 from tests.conftest import (
     assert_one_line_error,
-    free_port,
     run_tuner,
     start_llama_server,
-    start_server,
     stop_server,
 )
 
@@ -30,25 +29,10 @@ def llama_server(tmp_path_factory):
     stop_server(proc)
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    from tuner.engines.vllm import python
-    from tuner.models import checkpoint_dir
-
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    proc = start_server([str(python()), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                         str(checkpoint_dir(MODEL)), "--served-model-name", "smol", "--dtype", "bfloat16",
-                         "--max-num-seqs", "4", "--port", str(port), "--api-key", KEY], port, log, 900,
-                        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_AOT_COMPILE": "0"})
-    yield f"http://127.0.0.1:{port}"
-    stop_server(proc)
-
-
-def no_key_in(root: Path) -> None:
+def no_key_in(root: Path, key: str = KEY) -> None:
     for p in root.rglob("*"):
         if p.is_file():
-            assert KEY not in p.read_text(errors="replace"), p
+            assert key not in p.read_text(errors="replace"), p
 
 
 @pytest.mark.slow
@@ -112,19 +96,22 @@ def test_quality_needs_prompt_logprobs_one_line(llama_server, tmp_path):
 
 
 @pytest.mark.slow
-def test_quality_and_search_through_a_running_vllm(vllm_server, tmp_path):
+def test_quality_and_search_through_a_running_vllm(exported_vllm_server, tmp_path):
     """Quality through the endpoint: lm-eval local-completions on the served bf16 weights, judged against the fp32
     transformers model of the same weights on the same items (paired), with a top-K KLD; then `tuner search
-    --endpoint` ends with a recommendation of engine endpoint. The key is nowhere in the results."""
+    --endpoint` ends with a recommendation of engine endpoint. The key is nowhere in the results. The server: bf16,
+    batch cap 2, run from its exported serve.sh (the session's, shared with tests/test_export_run.py, which only
+    reads it: one vLLM start for both)."""
+    vllm_server, key = exported_vllm_server.url, exported_vllm_server.key
     out = tmp_path / "q.json"
     results = tmp_path / "results"
-    env = {"TUNER_API_KEY": KEY, "TUNER_RESULTS": str(results)}
+    env = {"TUNER_API_KEY": key, "TUNER_RESULTS": str(results)}
     proc = run_tuner("eval", "--endpoint", vllm_server, "--model", MODEL, "--tasks", "arc_easy", "--limit", "30",
                      "--json", str(out), "--max-quality-drop", "10", env=env, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     q = json.loads(out.read_text())
     assert q["config"]["engine"] == "endpoint" and "served_model" not in q["config"] and q["versions"][
-        "served_model"] == "smol"
+        "served_model"] == exported_vllm_server.served_model
     items, base = q["items"]["arc_easy"], q["baseline_items"]["arc_easy"]
     assert len(items) == 30 and set(items) == set(base)  # the same lm-eval items on both sides
     agree = sum(items[k] == base[k] for k in items) / len(items)
@@ -146,4 +133,4 @@ def test_quality_and_search_through_a_running_vllm(vllm_server, tmp_path):
     rec = json.loads((results / "ep" / "recommendation.json").read_text())["recommendation"]
     assert rec["config"]["engine"] == "endpoint" and rec["config"]["endpoint"] == vllm_server
     assert "RECOMMENDED: trial 0" in proc.stdout
-    no_key_in(tmp_path)
+    no_key_in(tmp_path, key)

@@ -17,7 +17,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -123,8 +125,26 @@ def test_llamacpp_script_serves_the_measured_command_from_a_fresh_directory(tmp_
     assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
 
 
-@pytest.mark.slow
-def test_vllm_cpu_script_serves_the_measured_command_from_a_fresh_directory(tmp_path):
+@dataclass(frozen=True)
+class ExportedServer:
+    """A vLLM server started from its exported serve.sh (not by tuner): what the engine launches for the config."""
+
+    proc: subprocess.Popen
+    port: int
+    key: str  # the API key the script was given (API_KEY=)
+    engine: Any  # the VllmEngine, prepared: its argv and environment are what the script must run
+    served_model: str  # the --served-model-name clients send as `model`
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start_exported_vllm(tmp: Path) -> ExportedServer:
+    """Export bf16 / batch cap 2 / KV 0.05 on vLLM-CPU (`make vllm`) with `tuner export --to vllm` from what the
+    engine records of it, and run its serve.sh from a fresh directory with an API key until /health answers (the
+    session's `exported_vllm_server` fixture in tests/conftest.py: one start read by this file and
+    tests/test_endpoint.py)."""
     from tuner.engines.vllm import VllmEngine, availability, python
 
     ok, why = availability()
@@ -133,25 +153,36 @@ def test_vllm_cpu_script_serves_the_measured_command_from_a_fresh_directory(tmp_
     config = TrialConfig("smollm2-135m", "bf16", 2, 0.05, "none", "cpu", engine="vllm")
     engine = VllmEngine(config)
     engine.prepare()
-    out = export_dir(tmp_path, measured_json(tmp_path, config, engine), "vllm")
-    cwd = tmp_path / "elsewhere"
+    out = export_dir(tmp, measured_json(tmp, config, engine), "vllm")
+    cwd = tmp / "elsewhere"
     cwd.mkdir()
     port = free_port()
     proc = start(out / "serve.sh", cwd, {"PYTHON": str(python()), "PORT": str(port), "API_KEY": KEY})
     try:
         wait_healthy(proc, port, 900, cwd / "server.log")
-        running = psutil.Process(proc.pid).cmdline()
-        assert running == [*engine.argv, "--host", "127.0.0.1", "--port", str(port)]
-        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
-        for k, v in engine.env.items():
-            assert f"{k}={v}".encode() in environ
-        assert f"VLLM_API_KEY={KEY}".encode() in environ and KEY not in running
-        body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-        assert post(port, "/v1/completions", body, None)[0] == 401
-        status, answer = post(port, "/v1/completions", body, KEY)
-        assert status == 200 and answer["model"] == "smollm2-135m" and answer["choices"][0]["text"]
-    finally:
+    except BaseException:
         stop(proc)
+        raise
+    return ExportedServer(proc, port, KEY, engine, engine.served_model)
+
+
+@pytest.mark.slow
+def test_vllm_cpu_script_serves_the_measured_command_from_a_fresh_directory(exported_vllm_server):
+    """The exported serve.sh, started from a fresh directory (tests/conftest.py's `exported_vllm_server`), runs the engine's argv and
+    environment and serves only with its API key. Read-only: tests/test_endpoint.py measures the same server."""
+    server = exported_vllm_server
+    proc, port, engine = server.proc, server.port, server.engine
+    assert proc.poll() is None
+    running = psutil.Process(proc.pid).cmdline()
+    assert running == [*engine.argv, "--host", "127.0.0.1", "--port", str(port)]
+    environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+    for k, v in engine.env.items():
+        assert f"{k}={v}".encode() in environ
+    assert f"VLLM_API_KEY={KEY}".encode() in environ and KEY not in running
+    body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    assert post(port, "/v1/completions", body, None)[0] == 401
+    status, answer = post(port, "/v1/completions", body, KEY)
+    assert status == 200 and answer["model"] == "smollm2-135m" and answer["choices"][0]["text"]
 
 
 def test_transformers_script_generates_from_a_fresh_directory(tmp_path):
