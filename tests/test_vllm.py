@@ -87,16 +87,22 @@ def test_missing_venv_is_one_line(tmp_path):
 def test_quality_through_the_vllm_endpoint_matches_the_transformers_path(tmp_path, monkeypatch):
     """lm-eval's own local-completions model scores the running vLLM server: bf16 through vLLM and bf16 through
     the transformers path (lm-eval HFLM) on the same items agree item by item and within one stderr; the drop is
-    paired against fp32 served by the same vLLM; the top-K KLD is small but not zero."""
+    paired against fp32 served by the same vLLM; the top-K KLD is small but not zero. The transformers side is
+    that path's own scoring step (tuner.quality.transformers.score_config: lm-eval on the model `load_model`
+    returns) without its fp32 baseline and KLD, which nothing here reads (they cost a second lm-eval run and an fp32
+    reference)."""
     from tuner.config import TrialConfig
+    from tuner.quality.common import run_suite
     from tuner.quality.gate import score_quality
+    from tuner.quantize import load_model
 
     monkeypatch.setenv("TUNER_RESULTS", str(tmp_path))
     served = score_quality(TrialConfig(model=MODEL, engine="vllm", quant="bf16"), ("arc_easy",), 40, 1234,
                            kld_tokens=255, progress=False)
-    local = score_quality(TrialConfig(model=MODEL, quant="bf16"), ("arc_easy",), 40, 1234, kld_tokens=255,
-                          progress=False)
-    (s,), (t,) = served.tasks, local.tasks
+    model, tokenizer = load_model(TrialConfig(model=MODEL, quant="bf16"))
+    local = run_suite(model, tokenizer, ("arc_easy",), 40, 1234)
+    del model
+    (s,), (t,) = served.tasks, local
     assert s.metric == t.metric == "acc_norm" and s.n == t.n == 40
     a, b = dict(s.items), dict(t.items)
     agree = sum(a[k] == b[k] for k in b) / len(b)
