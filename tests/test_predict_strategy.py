@@ -398,13 +398,14 @@ def test_llamacpp_predict_search_measures_fewer_than_it_predicts(tmp_path) -> No
     """A real `tuner search` on llama-server, no --strategy: auto predicts (llama.cpp has an engine profile) and says
     so; every configuration of the space predicted from this host's profiles, the engine default measured first,
     fewer measured than predicted, the pick a measured one, each measured configuration's predicted capacity
-    recorded beside its measured one."""
+    recorded beside its measured one. Two trials: the engine default and the first prediction-chosen one (a third
+    only repeated the second's path)."""
     import optuna
 
     proc = run_tuner("search", "--model", "smollm2-135m", "--engine", "llamacpp", "--space", str(SPACE),
                      "--results-dir", str(tmp_path), "--study", "pred", "--seed", "0",
                      "--quiet", "--probe-requests", "8:12", "--max-probes", "2", "--latency-target", "60s",
-                     "--latency-metric", "e2e:p50", "--trials", "3", "--no-quality", "--confirm", "0",
+                     "--latency-metric", "e2e:p50", "--trials", "2", "--no-quality", "--confirm", "0",
                      timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rec = json.loads((tmp_path / "pred" / "recommendation.json").read_text())
