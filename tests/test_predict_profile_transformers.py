@@ -101,7 +101,9 @@ def test_a_profile_of_another_build_or_host_is_measured_again_with_a_note(tmp_pa
 def canary():
     """The engine's own speed now: (TTFT, inter-token gap) medians of `CANARY_REQUESTS` fresh 64-token prompts (the
     workload's lengths), 9 tokens out, one at a time on a second, idle transformers engine of the same format (cap
-    1), warmed up first (two readings thrown away: none is a cold engine's)."""
+    1). Like with like: every reading comes from an engine that has just served (one request thrown away first), as
+    the first did. (Medians of 3 96-token prompts with nothing thrown away moved 27% on a quiet host while all six
+    bands held: ITL 40-42 ms throughout, TTFT 179, 184, 186, then 228 ms after the second bench run.)"""
     import random
 
     from tuner.engines.registry import backend
@@ -114,14 +116,15 @@ def canary():
     engine.start()
 
     def speed() -> tuple[float, float]:  # medians of several requests (one TTFT alone moved 25% quiet)
-        rs = run_load(engine, prof.fresh_prompts(pool, CANARY_REQUESTS, 64, 9, rng), concurrency=1,
+        rs = run_load(engine, prof.fresh_prompts(pool, 1 + CANARY_REQUESTS, 64, 9, rng), concurrency=1,
                       progress=False).results
         assert all(r.ok for r in rs), [r.error for r in rs]
+        rs = [r for r in rs if r.index > 0]  # the first wakes the idle engine: not kept
+        assert len(rs) == CANARY_REQUESTS
         return statistics.median(r.ttft_ms for r in rs), statistics.median(g for r in rs for g in r.itl_ms)
 
     try:
-        speed()
-        speed()
+        speed()  # a fresh engine's first requests: not kept
         yield speed
     finally:
         engine.stop(drain=False)
