@@ -334,17 +334,18 @@ def test_across_engines_every_engine_is_predicted_its_default_measured_first_and
     assert report["strategy_why"] == "--strategy predict"
 
 
-UNPROFILED_SPACES = {"transformers": "tiny_space.yaml", "vllm": "tiny_vllm_space.yaml"}
+UNPROFILED = "endpoint"  # a server tuner did not launch: nothing to profile (its server knobs are out of reach)
 
 
-def unprofiled_engine() -> str:
-    """A launched engine without an engine profile (whichever the registry says has none yet)."""
-    from tuner.engines.registry import names
+@pytest.fixture(scope="module")
+def endpoint_url(tmp_path_factory):
+    """A real llama-server (one slot) that the endpoint engine reaches over its OpenAI API: the engine without an
+    engine profile, now that every launched engine has one."""
+    from tests.conftest import start_llama_server, stop_server
 
-    left = [e for e in names(profiled=False, launched=True) if e in UNPROFILED_SPACES]
-    if not left:
-        pytest.skip("every launched engine has an engine profile")
-    return left[0]
+    proc, url = start_llama_server(tmp_path_factory.mktemp("llama") / "server.log", slots=1)
+    yield url
+    stop_server(proc)
 
 
 def test_auto_predicts_when_every_engine_is_profiled_and_measures_otherwise_saying_why() -> None:
@@ -352,8 +353,9 @@ def test_auto_predicts_when_every_engine_is_profiled_and_measures_otherwise_sayi
     from tuner.engines.registry import names
     from tuner.errors import TunerError
 
+    assert UNPROFILED in names(profiled=False)
     assert STRATEGIES[0] == "auto"
-    profiled, other = names(profiled=True)[0], unprofiled_engine()
+    profiled, other = names(profiled=True)[0], UNPROFILED
     ran, why = choose_strategy("auto", [profiled])
     assert ran == "predict" and why.startswith("--strategy auto: every engine of the space") and profiled in why
     ran, why = choose_strategy("auto", [other])
@@ -366,11 +368,11 @@ def test_auto_predicts_when_every_engine_is_profiled_and_measures_otherwise_sayi
         choose_strategy("predict", [profiled, other])
 
 
-def test_predict_strategy_on_another_engine_is_one_line(tmp_path) -> None:
-    engine = unprofiled_engine()
+def test_predict_strategy_on_another_engine_is_one_line(endpoint_url, tmp_path) -> None:
+    engine = UNPROFILED
     proc = run_tuner("search", "--model", "smollm2-135m", "--strategy", "predict", "--latency-target", "1s",
-                     "--no-quality", "--space", str(REPO / "tests" / "data" / UNPROFILED_SPACES[engine]),
-                     "--results-dir", str(tmp_path / "r"))
+                     "--no-quality", "--space", str(REPO / "search_spaces" / "endpoint.yaml"), "--endpoint",
+                     endpoint_url, "--results-dir", str(tmp_path / "r"))
     from tuner.engines.registry import names, spoken
 
     assert_one_line_error(proc, f"--strategy predict with engine {engine}",
@@ -378,13 +380,14 @@ def test_predict_strategy_on_another_engine_is_one_line(tmp_path) -> None:
     assert not (tmp_path / "r").exists()
 
 
-def test_auto_on_an_engine_without_a_profile_measures_and_the_answer_says_why(tmp_path) -> None:
+def test_auto_on_an_engine_without_a_profile_measures_and_the_answer_says_why(endpoint_url, tmp_path) -> None:
     """No --strategy on an engine without a profile: the measure loop runs (its engine default enqueued by the
     measure loop's start-up; --timeout ends it before a trial starts), the CLI says so when it starts and in the
     answer, and recommendation.json keeps it."""
-    engine = unprofiled_engine()
+    engine = UNPROFILED
     proc = run_tuner("search", "--model", "smollm2-135m", "--latency-target", "1s", "--no-quality", "--quiet",
-                     "--space", str(REPO / "tests" / "data" / UNPROFILED_SPACES[engine]), "--timeout", "0.01s",
+                     "--space", str(REPO / "search_spaces" / "endpoint.yaml"), "--endpoint", endpoint_url,
+                     "--timeout", "0.01s",
                      "--results-dir", str(tmp_path), "--study", "auto")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rec = json.loads((tmp_path / "auto" / "recommendation.json").read_text())
