@@ -67,6 +67,20 @@ def written(path: Path, key: dict[str, Any], cap: int = 4) -> None:
                                 "ranges": {}, "samples": {}, "notes": []}))
 
 
+def stand_in_measure(monkeypatch: pytest.MonkeyPatch, key: dict[str, Any]) -> list[int]:
+    """`measure_profile` replaced by a stand-in that records the batch cap it was asked for (the list returned) and
+    gives a profile of `key`: what load_or_measure decides to measure is the thing under test."""
+    measured: list[int] = []
+
+    def measure(config: Any, cap: int, log: Any = None, protocol: Any = None) -> dict[str, Any]:
+        measured.append(cap)
+        return {"version": prof.VERSION, "id": prof.profile_id(key), "key": key, "measured_at": "now",
+                "batch_cap": cap, "fit": {"model": {}}, "notes": []}
+
+    monkeypatch.setattr(prof, "measure_profile", measure)
+    return measured
+
+
 def test_a_profile_of_another_build_or_host_is_measured_again_with_a_note(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prof, "profiles_dir", lambda: tmp_path)
@@ -76,14 +90,7 @@ def test_a_profile_of_another_build_or_host_is_measured_again_with_a_note(tmp_pa
     other_host = dict(key, host={"cpu_model": "another CPU", "cores": 64})
     for doctored in (other_build, other_host):
         written(tmp_path / f"{prof.profile_id(doctored)}.json", doctored)
-    measured: list[int] = []
-
-    def measure(config: Any, cap: int, log: Any = None, protocol: Any = None) -> dict[str, Any]:
-        measured.append(cap)  # the real one loads the model and runs it for minutes
-        return {"version": prof.VERSION, "id": prof.profile_id(key), "key": key, "measured_at": "now",
-                "batch_cap": cap, "fit": {"model": {}}, "notes": []}
-
-    monkeypatch.setattr(prof, "measure_profile", measure)
+    measured = stand_in_measure(monkeypatch, key)  # the real one loads the model and runs it for minutes
     first = prof.load_or_measure(CONFIG, 2)
     assert measured == [2] and first["cached"] is False
     assert any("another build" in n and "not reused" in n for n in first["notes"]), first["notes"]

@@ -21,7 +21,10 @@ from typing import Any
 
 import pytest
 
-from tests.test_predict_profile_transformers import written  # a cached profile file of a given key
+from tests.test_predict_profile_transformers import (  # a cached profile file of a given key, a stand-in measure
+    stand_in_measure,
+    written,
+)
 from tuner.config import TrialConfig
 from tuner.measure.capacity import CapacityOptions
 from tuner.measure.workload import Request
@@ -116,14 +119,7 @@ def test_a_profile_of_another_vllm_version_or_checkpoint_is_measured_again_with_
     other_checkpoint["model"]["checkpoint_sha256"] = "0" * 16
     for doctored in (other_version, other_checkpoint):
         written(tmp_path / f"{prof.profile_id(doctored)}.json", doctored)
-    measured: list[int] = []
-
-    def measure(config: Any, cap: int, log: Any = None, protocol: Any = None) -> dict[str, Any]:
-        measured.append(cap)  # the real one starts vLLM (~45 s) and runs it
-        return {"version": prof.VERSION, "id": prof.profile_id(key), "key": key, "measured_at": "now",
-                "batch_cap": cap, "fit": {"model": {}}, "notes": []}
-
-    monkeypatch.setattr(prof, "measure_profile", measure)
+    measured = stand_in_measure(monkeypatch, key)  # the real one starts vLLM (~45 s) and runs it
     first = prof.load_or_measure(CONFIG, 2)
     assert measured == [2] and first["cached"] is False
     assert any("another build" in n and "not reused" in n for n in first["notes"]), first["notes"]
