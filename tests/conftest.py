@@ -177,7 +177,8 @@ MODULE_TIERS = {
     "test_workers.py": {"search"},
 }
 TEST_TIERS = {
-    # a fake engine in real time: a capacity search each, 15-80 s on a busy 2-core machine
+    # a fake engine in real time (its service times scaled down 3x with the SLOs and budgets): a capacity search
+    # each, 4-27 s quiet (the quiet-host and neighbour tests keep real time: the host's CPU accounting ticks 10 ms)
     "test_capacity.py::test_finds_a_known_service_rate_within_tolerance": {"slow"},
     "test_capacity.py::test_a_tight_ttft_bound_lowers_capacity": {"slow"},
     "test_capacity.py::test_attainment_below_target_misses_at_every_rate": {"slow"},
