@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import random
 import statistics
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from tuner.config import TrialConfig
 from tuner.measure.capacity import CapacityOptions
 from tuner.measure.workload import Request
 from tuner.predict import profile as prof
@@ -20,6 +20,11 @@ from tuner.slo import SLO, parse_slo
 
 TRUTH = StepModel(decode_base_s=0.010, decode_per_seq_s=0.002, decode_per_context_token_s=2e-6,
                   prefill_base_s=0.003, prefill_per_token_s=1e-4, noise_sigma=0.15)
+
+
+def llamacpp(batch_cap: int) -> TrialConfig:
+    """A llama.cpp configuration at `batch_cap` (its scheduler limits: llama-server's 2048-token step, no KV limit)."""
+    return TrialConfig(model="smollm2-135m", engine="llamacpp", quant="Q8_0", batch_cap=batch_cap)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +47,7 @@ def workload(options: CapacityOptions, cap: int) -> list[Request]:
 def test_the_prediction_matches_the_search_on_the_profiled_engine(profiled: dict[str, Any]) -> None:
     options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
     pool = workload(options, 4)
-    got = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=4)
+    got = predict(profiled, llamacpp(4), pool, options, replicates=4)
     measured = statistics.median(simulated_capacity(TRUTH, 4, pool, options, 2048, seed)["requests_per_s"]
                                  for seed in range(100, 105))
     cap = got["capacity"]
@@ -60,8 +65,8 @@ def test_the_prediction_matches_the_search_on_the_profiled_engine(profiled: dict
 def test_a_batch_cap_past_the_profile_is_extrapolated_with_a_wider_band(profiled: dict[str, Any]) -> None:
     options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
     pool = workload(options, 8)
-    inside = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=2)
-    beyond = predict(profiled, SimpleNamespace(batch_cap=8, ubatch=0), pool, options, replicates=2)
+    inside = predict(profiled, llamacpp(4), pool, options, replicates=2)
+    beyond = predict(profiled, llamacpp(8), pool, options, replicates=2)
     assert any(n.startswith("extrapolated: 8 sequences, the profile measured up to 4") for n in beyond["notes"])
     width = [c["capacity"]["band"][1] - c["capacity"]["band"][0] for c in (inside, beyond)]
     assert width[1] >= width[0] + beyond["capacity"]["requests_per_s"] * 0.9  # widened by (8/4 - 1) x the rate
@@ -77,8 +82,8 @@ def test_the_band_covers_the_engine_running_slower_than_its_profile(profiled: di
     pool = workload(options, 4)
     slower = statistics.median(simulated_capacity(scaled(TRUTH, 1.18), 4, pool, options, 2048, seed)["requests_per_s"]
                                for seed in range(100, 103))
-    fit_only = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=2, speed_drift=0)
-    carried = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=2)
+    fit_only = predict(profiled, llamacpp(4), pool, options, replicates=2, speed_drift=0)
+    carried = predict(profiled, llamacpp(4), pool, options, replicates=2)
     assert carried["calibration"]["speed_drift"] == SPEED_DRIFT >= 0.15
     assert fit_only["capacity"]["band"][0] > slower * (1 + options.tolerance)  # missed without the speed term
     lo, hi = carried["capacity"]["band"]
@@ -100,14 +105,14 @@ def test_a_measured_capacity_outside_the_band_is_recorded_and_later_bands_carry_
     config = {"model": "m", "engine": "llamacpp", "quant": "Q8_0", "batch_cap": 4}
     measured = simulated_capacity(scaled(TRUTH, 1.6), 4, pool, options, 2048, 100)  # a real search's record
     bench = {"config": config, "workload": {"input_len": [64, 200]}, "metrics": {"capacity": measured}}
-    before = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=2,
+    before = predict(profiled, llamacpp(4), pool, options, replicates=2,
                      history=calibration.read_history("simulated"))
     assert before["calibration"]["history"]["n"] == 0
     rec = calibration.compare(dict(before, config=config, workload={"input_len": [64, 200]}), bench)
     assert rec["within_band"] is False and rec["error"] > 0.2  # predicted well above what was measured
     assert rec["contradicts"] == (rec["measured_ci"][1] < rec["band"][0])
     calibration.record("simulated", rec)
-    after = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=2,
+    after = predict(profiled, llamacpp(4), pool, options, replicates=2,
                     history=calibration.read_history("simulated"))
     lo, hi = after["capacity"]["band"]
     assert lo <= measured["requests_per_s"] <= hi
@@ -132,7 +137,7 @@ def test_an_output_longer_than_profiled_is_extrapolated_in_the_json_and_the_text
     config = {"model": "m", "engine": "llamacpp", "quant": "Q8_0", "batch_cap": 4}
     texts = []
     for pool in (long_out, workload(options, 4)):
-        got = predict(profiled, SimpleNamespace(batch_cap=4, ubatch=0), pool, options, replicates=1)
+        got = predict(profiled, llamacpp(4), pool, options, replicates=1)
         texts.append((got, format_prediction(dict(got, config=config, predict_s=0.1, predict_cpu_s=0.1))))
     (beyond, text), (inside, plain) = texts
     said = beyond["capacity"]["extrapolated"]
@@ -177,7 +182,7 @@ def test_the_band_without_the_curve_is_the_band_with_it(profiled: dict[str, Any]
     changes neither."""
     options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
     pool = workload(options, 4)
-    config = SimpleNamespace(batch_cap=4, ubatch=0)
+    config = llamacpp(4)
     with_curve = predict(profiled, config, pool, options, replicates=2)
     without = predict(profiled, config, pool, options, replicates=2, curve=False)
     assert without["curve"] == [] and len(with_curve["curve"]) == 5

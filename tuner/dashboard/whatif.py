@@ -132,8 +132,8 @@ def what_if(record: Mapping[str, Any], attrs: Mapping[str, Any], views: Sequence
     each simulation's result, so a scenario changing the SLO only does not rebuild the prompts, and one seen before
     is not simulated again."""
     from tuner.config import TrialConfig
-    from tuner.predict.estimate import admission_limits, simulated_capacity
-    from tuner.predict.profile import profiles_dir, step_model
+    from tuner.predict.estimate import simulated_capacity
+    from tuner.predict.profile import profiles_dir, scheduler_limits, step_model
     from tuner.predict.strategy import calibration
 
     t0 = time.perf_counter()
@@ -158,7 +158,7 @@ def what_if(record: Mapping[str, Any], attrs: Mapping[str, Any], views: Sequence
         if pid not in profiles:
             continue
         config = TrialConfig.from_dict(dict(e["config"]))
-        lim = admission_limits(profiles[pid], config)  # the engine's own step budget and KV capacity
+        lim = scheduler_limits(profiles[pid], config)  # the engine's own step budget and KV capacity
         key = (pid, config.batch_cap, lim["kv_tokens"], lim["token_budget"])
         if key not in got:
             pool_key = ("pool", config.batch_cap, spec, options.pool_size(config.batch_cap, measurements=2))

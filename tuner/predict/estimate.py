@@ -16,8 +16,8 @@ predicted capacity ratio recorded for this profile (tuner.predict.calibration; `
 outside what the profile measured (more sequences, longer contexts or prompts) is extrapolated: said in `notes`, and
 the band widened each way by (f - 1) x the predicted rate, f the largest ratio by which it goes out of range.
 
-The simulated scheduler admits by the engine's own limits (`admission_limits`: the step's token budget and the KV
-capacity in tokens, from tuner.predict.profile.scheduler_limits); the prediction says which it used (`limits`, and a
+The simulated scheduler admits by the engine's own limits (tuner.predict.profile.scheduler_limits: the step's
+token budget and the KV capacity in tokens); the prediction says which it used (`limits`, and a
 note naming their source).
 """
 
@@ -32,35 +32,15 @@ from tuner.measure.metrics import compute_metrics
 from tuner.measure.workload import Request, with_arrivals
 from tuner.predict.calibration import widen
 from tuner.predict.fit import bootstrap_models
-from tuner.predict.profile import step_model
+from tuner.predict.profile import scheduler_limits, step_model
 from tuner.predict.simulate import SimulatedEngine, StepModel
 
-LLAMACPP_BATCH_TOKENS = 2048  # llama-server's default -b: decodes and prompt tokens per step at most
 CURVE_SHARES = (0.25, 0.5, 0.75, 0.9, 1.0)  # curve rates, as shares of the predicted saturation rate
 CURVE_REQUESTS = 120
 REPLICATES = 4  # simulations with resampled fit parameters behind a band
 SPEED_DRIFT = 0.2  # the band's engine speed: every step x 1.2 and / 1.2 (see the module docstring)
 HOST_NOTE = "the host was busy"  # CapacitySearch's note on the real host's CPU load: meaningless in virtual time
 SEARCHES_KEPT = 1024  # simulated capacity searches remembered (a whole llama.cpp space's points: 420)
-
-
-def token_budget(config: Any) -> int:
-    """llama-server's rule: -b (2048) tokens a step, or -ub when larger."""
-    ubatch = getattr(config, "ubatch", 0) or 0
-    return max(LLAMACPP_BATCH_TOKENS, ubatch)
-
-
-def admission_limits(profile: dict[str, Any], config: Any) -> dict[str, Any]:
-    """The simulated scheduler's admission limits for `config`: {"kv_tokens", "token_budget", "source", ...} by the
-    engine's own rule (tuner.predict.profile.scheduler_limits: llama.cpp's -b, transformers' batch tokens and paged
-    KV, vLLM's reported max_num_batched_tokens and KV blocks). A config that names no engine (a simulated engine's
-    profile, as the tests and benchmarks pass) gets llama-server's step budget and no KV limit."""
-    from tuner.predict.profile import scheduler_limits
-
-    if getattr(config, "engine", None) is None:
-        return {"kv_tokens": None, "token_budget": token_budget(config),
-                "source": "llama-server's -b 2048 (or -ub when larger): the configuration names no engine"}
-    return scheduler_limits(profile, config)
 
 
 def scaled(model: StepModel, factor: float) -> StepModel:
@@ -196,7 +176,7 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
     at each of `shares` x the predicted capacity (x the saturation rate when no rate meets), `requests_at(R)` giving
     its (requests, warm-up)."""
     cap = config.batch_cap
-    limit = admission_limits(profile, config)
+    limit = scheduler_limits(profile, config)
     budget, kv = limit["token_budget"], limit["kv_tokens"]
     base = step_model(profile)
     fits = bootstrap_models(profile["samples"]["decode"], profile["samples"]["prefill"], base, replicates, seed)

@@ -8,7 +8,7 @@
    --timeout (`MAX_PROFILES` measured ones without --timeout). The rest, and configurations with a draft (not
    profiled yet), are left out and the answer says which and why. Each (format, batch cap) is simulated once
    (tuner.predict.estimate: the real capacity search on the simulated engine) under the engine's own admission
-   limits (estimate.admission_limits: its step budget and KV capacity), so configurations differing only in a KV
+   limits (profile.scheduler_limits: its step budget and KV capacity), so configurations differing only in a KV
    fraction that leaves both unchanged share one prediction. A point prediction for every one,
    then the band (`BAND_REPLICATES` resampled fits and the engine's speed drift, estimate.predict) for each.
 2. **Measure, one at a time**, through the normal Optuna loop (each choice is enqueued, so the real objective,
@@ -366,13 +366,13 @@ class PredictStrategy:
         fractions that give the same limits)."""
         from tuner.config import TrialConfig
         from tuner.errors import one_line
-        from tuner.predict.estimate import admission_limits, simulated_capacity
-        from tuner.predict.profile import step_model
+        from tuner.predict.estimate import simulated_capacity
+        from tuner.predict.profile import scheduler_limits, step_model
 
         by_cap: dict[tuple[int, int | None, int], list[Prediction]] = {}  # (batch cap, KV tokens, step budget)
         for p in members:
             try:
-                lim = admission_limits(profile, TrialConfig.from_dict(p.config))
+                lim = scheduler_limits(profile, TrialConfig.from_dict(p.config))
             except Exception as e:  # e.g. a profile that recorded no limits: said, left out
                 self.leave_out(p, f"{describe_format(format_of(p.config))}: its scheduler limits ({one_line(e)})")
                 continue
