@@ -16,7 +16,7 @@ The scheduler, one step at a time (llama-server's slots and vLLM's scheduler sha
   finishes in a step gets its first token at that step's end. Requests arriving during a step wait for its end.
 * **Step time** from a `StepModel`: one forward pass costs a fixed part, a part per decoding sequence, a part per
   context token those sequences attend to, and, when the step holds prompt tokens, a fixed prefill part plus a
-  part per prompt token; times an optional lognormal noise factor (mean 1) drawn from the engine's seeded RNG.
+  part per prompt token (measured apart for a prompt joining running decodes, `StepModel.mixed`); times an optional lognormal noise factor (mean 1) drawn from the engine's seeded RNG.
 
 Runs are back to back in virtual time (`clock()`), the engine idle between them. A run stopped by `should_stop`
 returns only the requests that had finished, after the requests already handed over have run to their end (the
@@ -48,7 +48,10 @@ class StepModel:
     c*context_tokens; a step holding prompt tokens adds prefill_base_s + prefill_per_token_s * tokens, so a prompt
     alone on an idle engine costs `prefill_s(tokens)` = a + prefill_base_s + prefill_per_token_s * tokens.
     `noise_sigma`: each step's time is multiplied by a lognormal factor of mean 1 and this log-standard deviation
-    (0: constant)."""
+    (0: constant).
+    `mixed`: the profile measured steps where a prompt joins running decodes (`mixed_base_s`, `mixed_per_token_s`:
+    what a step holding prompt tokens costs beyond the decodes' own step when at least one sequence decodes in it);
+    without it (a profile older than version 3) such a step costs the decodes plus a lone prompt's time."""
 
     decode_base_s: float
     decode_per_seq_s: float = 0.0
@@ -57,10 +60,13 @@ class StepModel:
     prefill_per_token_s: float = 0.0
     noise_sigma: float = 0.0
     decode_by_batch_s: tuple[tuple[int, float], ...] = ()
+    mixed_base_s: float = 0.0
+    mixed_per_token_s: float = 0.0
+    mixed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("decode_base_s", "decode_per_seq_s", "decode_per_context_token_s", "prefill_base_s",
-                     "prefill_per_token_s", "noise_sigma"):
+                     "prefill_per_token_s", "noise_sigma", "mixed_base_s", "mixed_per_token_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise TunerError(f"step model {name}={v!r} is invalid: expected a finite number >= 0")
@@ -95,8 +101,14 @@ class StepModel:
         """One step: `batch` decoding sequences over `context_tokens` in all, and `prompt_tokens` of prompts."""
         t = self.decode_s(batch, context_tokens)
         if prompt_tokens:
-            t += self.prefill_base_s + self.prefill_per_token_s * prompt_tokens
+            t += self.prompt_s(batch, prompt_tokens)
         return t
+
+    def prompt_s(self, batch: int, prompt_tokens: int) -> float:
+        """What `prompt_tokens` of prompts add to a step of `batch` decoding sequences."""
+        if batch and self.mixed:
+            return self.mixed_base_s + self.mixed_per_token_s * prompt_tokens
+        return self.prefill_base_s + self.prefill_per_token_s * prompt_tokens
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -175,6 +187,7 @@ class SimulatedEngine:
         model = self.model
         batch_times = self.batch_times
         per_ctx, pre_base, pre_tok = model.decode_per_context_token_s, model.prefill_base_s, model.prefill_per_token_s
+        mixed, mix_base, mix_tok = model.mixed, model.mixed_base_s, model.mixed_per_token_s
         sigma = model.noise_sigma
         mu = -sigma * sigma / 2.0
         lognorm = self.rng.lognormvariate
@@ -270,7 +283,7 @@ class SimulatedEngine:
                     budget -= take
             dt = batch_times[decoding] + per_ctx * ctx_decoding
             if prompt_tokens:
-                dt += pre_base + pre_tok * prompt_tokens
+                dt += (mix_base + mix_tok * prompt_tokens) if mixed and decoding else pre_base + pre_tok * prompt_tokens
             if sigma > 0:
                 dt *= lognorm(mu, sigma)
             self.steps += 1
