@@ -179,7 +179,8 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
     limit = scheduler_limits(profile, config)
     budget, kv = limit["token_budget"], limit["kv_tokens"]
     base = step_model(profile)
-    fits = bootstrap_models(profile["samples"]["decode"], profile["samples"]["prefill"], base, replicates, seed)
+    fits = bootstrap_models(profile["samples"]["decode"], profile["samples"]["prefill"], base, replicates, seed,
+                            profile["samples"].get("mixed", ()))
     models = fits + speed_models(base, speed_drift)
     point = simulated_capacity(base, cap, pool, options, budget, seed, kv)
     reps = [simulated_capacity(m, cap, pool, options, budget, seed + 1 + i, kv) for i, m in enumerate(models)]
