@@ -4,7 +4,10 @@ Decode samples are (running sequences k, their context tokens summed, seconds pe
 step = t_k + c * context_tokens: one base time per batch size measured (the `decode_by_batch_s` table; engines are
 not linear in k: llama-server -t 1's step at 2 sequences took 3.7x its step at 1 on the shared 2-core host) and one context slope.
 Prefill samples are (prompt tokens, TTFT seconds of a request alone on an idle engine) and fit
-ttft = d + e * tokens (prefill_base_s, prefill_per_token_s). Both by non-negative least squares (a step cannot get
+ttft = d + e * tokens (prefill_base_s, prefill_per_token_s). Mixed samples are steps where prompts joined running
+decodes (running sequences, their context, the prompt tokens, seconds); what each took beyond the fitted decode step
+fits mixed_base_s + mixed_per_token_s * tokens (a lone prompt's TTFT also holds what an idle engine spends before
+its first step, which a prompt joining a running batch does not pay). Both by non-negative least squares (a step cannot get
 faster with more work); the residuals are kept. The step-time noise is the robust spread (1.4826 x MAD) of
 log(observed gap / fitted step) over every raw decoding gap. Pure functions of the samples.
 """
@@ -53,6 +56,20 @@ def prefill_rows(samples: Sequence[dict[str, Any]]) -> tuple[list[list[float]], 
     return [[1.0, float(s["prompt_tokens"])] for s in samples], [s["ttft_s"] for s in samples]
 
 
+def mixed_rows(samples: Sequence[dict[str, Any]]) -> list[list[float]]:
+    return [[1.0, float(s["prompt_tokens"])] for s in samples]
+
+
+def mixed_extras(samples: Sequence[dict[str, Any]], ym: Sequence[float], model: StepModel) -> list[float]:
+    """What each mixed step took beyond the decodes' own step at its batch and context (the fitted decode model)."""
+    return [y - model.decode_s(int(s["seqs"]), s["context_tokens"]) for s, y in zip(samples, ym)]
+
+
+def fits_mixed(samples: Sequence[dict[str, Any]]) -> bool:
+    """Enough mixed steps to fit a base and a slope: 3 or more, at 2 or more prompt lengths."""
+    return len(samples) >= 3 and len({s["prompt_tokens"] for s in samples}) >= 2
+
+
 def residual_summary(y: Sequence[float], fitted: Sequence[float]) -> dict[str, Any]:
     res = [a - b for a, b in zip(y, fitted)]
     rmse = math.sqrt(sum(r * r for r in res) / len(res)) if res else None
@@ -72,37 +89,60 @@ def step_noise_sigma(gaps: Sequence[Sequence[float]], model: StepModel) -> float
 
 
 def fit_step_model(decode: Sequence[dict[str, Any]], prefill: Sequence[dict[str, Any]],
-                   raw_gaps: Sequence[Sequence[float]] = ()) -> tuple[StepModel, dict[str, Any]]:
-    """The StepModel and the fit's record: coefficients, residuals per sample, RMSE."""
-    model = refit(decode, prefill, [s["step_s"] for s in decode], [s["ttft_s"] for s in prefill], 0.0)
+                   raw_gaps: Sequence[Sequence[float]] = (), mixed: Sequence[dict[str, Any]] = ()
+                   ) -> tuple[StepModel, dict[str, Any]]:
+    """The StepModel and the fit's record: coefficients, residuals per sample, RMSE. `mixed`: steps where a prompt
+    joined running decodes (seqs, context tokens, prompt tokens, step seconds), fitted when `fits_mixed`."""
+    mixed = mixed if fits_mixed(mixed) else ()
+    ym = [s["step_s"] for s in mixed]
+    model = refit(decode, prefill, [s["step_s"] for s in decode], [s["ttft_s"] for s in prefill], 0.0, mixed, ym)
     model = StepModel(**{**model.to_dict(), "noise_sigma": step_noise_sigma(raw_gaps, model)})
     yd = [s["step_s"] for s in decode]
     yp = [s["ttft_s"] for s in prefill]
     fit = {"decode": residual_summary(yd, [model.decode_s(int(s["seqs"]), s["context_tokens"]) for s in decode]),
            "prefill": residual_summary(yp, [model.prefill_s(int(s["prompt_tokens"])) for s in prefill]),
+           "mixed": residual_summary(ym, [mixed_step_s(model, s) for s in mixed]),
            "noise_sigma": model.noise_sigma, "model": model.to_dict()}
     return model, fit
 
 
+def mixed_step_s(model: StepModel, s: dict[str, Any]) -> float:
+    return model.step_s(int(s["seqs"]), s["context_tokens"], int(s["prompt_tokens"]))
+
+
 def refit(decode: Sequence[dict[str, Any]], prefill: Sequence[dict[str, Any]], yd: Sequence[float],
-          yp: Sequence[float], sigma: float) -> StepModel:
-    """The StepModel fitted to the samples' designs with responses `yd` (decode) and `yp` (prefill)."""
+          yp: Sequence[float], sigma: float, mixed: Sequence[dict[str, Any]] = (),
+          ym: Sequence[float] = ()) -> StepModel:
+    """The StepModel fitted to the samples' designs with responses `yd` (decode), `yp` (prefill) and `ym` (mixed
+    steps: fitted on what each took beyond the decodes' step this decode fit gives)."""
     xd, _ = decode_rows(decode)
     xp, _ = prefill_rows(prefill)
     table, c = decode_model(nnls_fit(xd, yd), batch_sizes(decode))
     d, e = nnls_fit(xp, yp)
-    return StepModel(decode_base_s=0.0, decode_per_context_token_s=c, prefill_base_s=d, prefill_per_token_s=e,
-                     noise_sigma=sigma, decode_by_batch_s=table)
+    model = StepModel(decode_base_s=0.0, decode_per_context_token_s=c, prefill_base_s=d, prefill_per_token_s=e,
+                      noise_sigma=sigma, decode_by_batch_s=table)
+    if not mixed:
+        return model
+    mb, mt = nnls_fit(mixed_rows(mixed), mixed_extras(mixed, ym, model))
+    return StepModel(**{**model.to_dict(), "mixed_base_s": mb, "mixed_per_token_s": mt, "mixed": True})
 
 
 def bootstrap_models(decode: Sequence[dict[str, Any]], prefill: Sequence[dict[str, Any]], model: StepModel,
-                     n: int, seed: int = 0) -> list[StepModel]:
+                     n: int, seed: int = 0, mixed: Sequence[dict[str, Any]] = ()) -> list[StepModel]:
     """`n` StepModels refitted to the fitted values plus resampled residuals (residual bootstrap): the spread of
-    the parameters the samples allow."""
+    the parameters the samples allow (the mixed steps' too, when the model was fitted with them)."""
     rng = random.Random(f"bootstrap-{seed}")
+    mixed = mixed if model.mixed and fits_mixed(mixed) else ()
     fd = [model.decode_s(int(s["seqs"]), s["context_tokens"]) for s in decode]
     fp = [model.prefill_s(int(s["prompt_tokens"])) for s in prefill]
+    fm = [mixed_step_s(model, s) for s in mixed]
     rd = [s["step_s"] - f for s, f in zip(decode, fd)]
     rp = [s["ttft_s"] - f for s, f in zip(prefill, fp)]
-    return [refit(decode, prefill, [f + rng.choice(rd) for f in fd], [f + rng.choice(rp) for f in fp],
-                  model.noise_sigma) for _ in range(n)]
+    rm = [s["step_s"] - f for s, f in zip(mixed, fm)]
+    out = []
+    for _ in range(n):
+        yd = [f + rng.choice(rd) for f in fd]
+        yp = [f + rng.choice(rp) for f in fp]
+        ym = [f + rng.choice(rm) for f in fm]
+        out.append(refit(decode, prefill, yd, yp, model.noise_sigma, mixed, ym))
+    return out

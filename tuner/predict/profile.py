@@ -50,7 +50,7 @@ from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
 
-VERSION = 2  # 2: a decode step time per batch size measured
+VERSION = 3  # 2: a decode step time per batch size measured; 3: mixed steps (a prompt joining running decodes)
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -58,6 +58,9 @@ DECODE_TOKENS = 32
 DECODE_WAVES = 2
 LLAMACPP_BATCH_TOKENS = 2048  # llama-server's default -b: decodes and prompt tokens per step at most
 BIN_PARTS = 4  # a wave's kept gaps are summarised per quarter of the output (the context grows along it)
+MIXED_PROBES = 2  # prompts sent one after another into one wave of running decodes
+MIXED_LEAD_STEPS = 4  # decode steps after the wave's decodes all run before the first prompt is sent
+MIXED_GAP_STEPS = 12  # decode steps between one prompt's expected first token and the next prompt
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Protocol:
 
     prefill_repeats: int = PREFILL_REPEATS
     decode_waves: int = DECODE_WAVES
+    mixed: bool = True  # measure mixed steps (False: a profile of version 2's protocol)
 
     def __post_init__(self) -> None:
         for name in ("prefill_repeats", "decode_waves"):
@@ -309,13 +313,80 @@ def decode_samples(gaps: list[tuple[int, int, float]], parts: int = BIN_PARTS) -
     return out
 
 
-def collect_samples(serve: Callable[[list[Request], int], list[Any]], pool: list[int], batch_cap: int,
+def mixed_seqs(batch_cap: int) -> list[int]:
+    """The running decodes a prompt joins in the mixed waves: 1 and the cap less one (the prompt needs a free
+    slot); none at cap 1, where a prompt never shares a step with a decode."""
+    return sorted({1, batch_cap - 1}) if batch_cap >= 2 else []
+
+
+def mixed_wave(pool: list[int], k: int, lengths: list[int], decoding_s: float, step_s: float,
+               ttft_s: Callable[[int], float], room: int, rng: random.Random) -> list[Request]:
+    """k decodes sent at once, then one prompt of each length (1 token out) sent while they run: the first
+    `MIXED_LEAD_STEPS` decode steps after `decoding_s` (when the k decode, as measured), the next
+    `MIXED_GAP_STEPS` steps after the previous prompt's expected TTFT; the decodes ask for the tokens that outlast
+    the last prompt (within `room`, the context one sequence may hold)."""
+    arrivals, t = [], decoding_s + MIXED_LEAD_STEPS * step_s
+    for p in lengths:
+        arrivals.append(t)
+        t += ttft_s(p) + MIXED_GAP_STEPS * step_s
+    out_tokens = min(room - DECODE_PROMPTS[0], math.ceil(t / step_s) + MIXED_LEAD_STEPS)
+    reqs = [Request(r.index, "", r.prompt_ids, r.max_tokens, 0.0)
+            for r in fresh_prompts(pool, k, DECODE_PROMPTS[0], out_tokens, rng)]
+    for i, (p, at) in enumerate(zip(lengths, arrivals)):
+        (probe,) = fresh_prompts(pool, 1, p, 1, rng)
+        reqs.append(Request(k + i, "", probe.prompt_ids, 1, at))
+    return reqs
+
+
+def mixed_steps(results: list[Any], k: int) -> list[dict[str, Any]]:
+    """The steps of a mixed wave (requests 0..k-1 decode, the rest are prompts) where prompts joined the k running
+    decodes: each prompt's first token ends a step; that step is the decodes' gap ending with it (each decode's
+    nearest token within a quarter of its median gap), kept when all k decoded through it. Prompts whose first
+    tokens end the same step are one sample (their tokens summed). (seqs, context tokens summed, prompt tokens,
+    seconds: the median of the k decodes' gaps)."""
+    by_index = {r.index: r for r in results}
+    decodes = [by_index.get(i) for i in range(k)]
+    if any(r is None or not r.ok or r.ttft_ms is None or r.e2e_ms is None or not r.itl_ms for r in decodes):
+        return []
+    ends = []  # per decode: the end time of each token after its first
+    for r in decodes:
+        t, row = r.send_s + r.ttft_ms / 1e3, []
+        for g in r.itl_ms:
+            t += g / 1e3
+            row.append(t)
+        ends.append(row)
+    all_decoding = max(r.send_s + r.ttft_ms / 1e3 for r in decodes)
+    first_end = min(r.send_s + r.e2e_ms / 1e3 for r in decodes)
+    steps: dict[tuple[int, ...], int] = {}
+    for r in results:
+        if r.index < k or not r.ok or r.ttft_ms is None:
+            continue
+        first = r.send_s + r.ttft_ms / 1e3
+        at = []
+        for d, row in zip(decodes, ends):
+            j = min(range(len(row)), key=lambda i: abs(row[i] - first))
+            if abs(row[j] - first) > 0.25 * statistics.median(d.itl_ms) / 1e3:
+                break
+            at.append(j)
+        else:
+            starts = [ends[i][j] - decodes[i].itl_ms[j] / 1e3 for i, j in enumerate(at)]
+            if min(starts) >= all_decoding - 1e-6 and first <= first_end + 1e-6:
+                steps[tuple(at)] = steps.get(tuple(at), 0) + r.prompt_tokens
+    return [{"seqs": k, "context_tokens": sum(d.prompt_tokens + j + 1 for d, j in zip(decodes, at)),
+             "prompt_tokens": tokens,
+             "step_s": statistics.median(d.itl_ms[j] for d, j in zip(decodes, at)) / 1e3, "n": k}
+            for at, tokens in steps.items()]
+
+
+def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], pool: list[int], batch_cap: int,
                     prefill_lengths: list[int], decode_prompts: list[int], rng: random.Random,
                     log: Callable[[str], None] = lambda s: None,
                     engine_prompt_ms: Callable[[int], float | None] = lambda index: None,
-                    protocol: Protocol = Protocol()) -> dict[str, Any]:
+                    protocol: Protocol = Protocol(), room: int | None = None) -> dict[str, Any]:
     """The profile's measurement protocol against `serve(requests, concurrency) -> results` (a real engine through
-    the load generator, or a simulated one): a warm-up, prefill samples, then decode waves at each concurrency.
+    the load generator, or a simulated one; concurrency None: open loop at the requests' arrival times): a warm-up,
+    prefill samples, decode waves at each concurrency, then mixed waves (prompts joining running decodes). `room`:
+    the context one sequence may hold (None: no limit of its own).
     `engine_prompt_ms(index)`: the engine's own prompt time of the last run's request `index`, kept beside TTFT."""
     serve(fresh_prompts(pool, max(2, batch_cap), 64, 8, rng), batch_cap)  # warm-up, not kept
     prefill: list[dict[str, Any]] = []
@@ -329,18 +400,51 @@ def collect_samples(serve: Callable[[list[Request], int], list[Any]], pool: list
     log("prefill TTFT: " + ", ".join(f"{s['prompt_tokens']} tokens {s['ttft_s'] * 1e3:.0f} ms" for s in prefill))
     decode: list[dict[str, Any]] = []
     gaps: list[tuple[int, int, float]] = []
+    decoding_s = 0.0  # the longest a decode wave took until all its requests decoded
     t = time.perf_counter()
     for k in concurrencies(batch_cap):
         for p in decode_prompts:
             for _ in range(protocol.decode_waves):
-                wave = wave_gaps(serve(fresh_prompts(pool, k, p, DECODE_TOKENS, rng), k), p)
+                results = serve(fresh_prompts(pool, k, p, DECODE_TOKENS, rng), k)
+                wave = wave_gaps(results, p)
                 gaps += wave
                 decode += [dict(s, prompt_tokens=p) for s in decode_samples(wave)]
+                if p == decode_prompts[0] and wave:
+                    decoding_s = max(decoding_s, max(r.send_s + r.ttft_ms / 1e3 for r in results))
         kept = [g[2] for g in gaps if g[0] == k]
         log(f"decode at {k} sequences: {len(kept)} steps kept, median "
             f"{statistics.median(kept) * 1e3 if kept else float('nan'):.1f} ms")
-    return {"prefill": prefill, "decode": decode, "gaps": gaps,
-            "cost_s": {"prefill": prefill_s, "decode": time.perf_counter() - t}}
+    decode_s = time.perf_counter() - t
+    t = time.perf_counter()
+    mixed = collect_mixed(serve, pool, batch_cap, prefill_lengths, decode_prompts, prefill, gaps, decoding_s, room,
+                          rng, protocol)
+    log("mixed steps: " + (", ".join(f"{s['seqs']} decoding + {s['prompt_tokens']} prompt tokens "
+                                     f"{s['step_s'] * 1e3:.0f} ms" for s in mixed) or "none"))
+    return {"prefill": prefill, "decode": decode, "gaps": gaps, "mixed": mixed,
+            "cost_s": {"prefill": prefill_s, "decode": decode_s, "mixed": time.perf_counter() - t}}
+
+
+def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool: list[int], batch_cap: int,
+                  prefill_lengths: list[int], decode_prompts: list[int], prefill: list[dict[str, Any]],
+                  gaps: list[tuple[int, int, float]], decoding_s: float, room: int | None, rng: random.Random,
+                  protocol: Protocol) -> list[dict[str, Any]]:
+    """Mixed waves (`mixed_wave`, sent open loop) at each of `mixed_seqs`, the prompt lengths in pairs, paced by
+    the decode steps and prefill TTFTs measured before."""
+    if not protocol.mixed or not gaps or not prefill:
+        return []
+    median_ttft = {p: statistics.median(s["ttft_s"] for s in prefill if s["prompt_tokens"] == p)
+                   for p in {s["prompt_tokens"] for s in prefill}}
+    room = room if room is not None else max(prefill_lengths) + DECODE_TOKENS + max(decode_prompts)
+    out: list[dict[str, Any]] = []
+    for k in mixed_seqs(batch_cap):
+        near = min({g[0] for g in gaps}, key=lambda m: (abs(m - k), -m))
+        step_s = statistics.median(g[2] for g in gaps if g[0] == near)
+        for i in range(0, len(prefill_lengths), MIXED_PROBES):
+            lengths = prefill_lengths[i:i + MIXED_PROBES]
+            reqs = mixed_wave(pool, k, lengths, decoding_s * 1.5, step_s,
+                              lambda p: median_ttft.get(p, max(median_ttft.values())), room, rng)
+            out += mixed_steps(serve(reqs, None), k)
+    return out
 
 
 def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], None] = lambda s: None,
@@ -369,7 +473,7 @@ def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], No
     if len(prefill_lengths) < len(PREFILL_TOKENS):
         notes.append(f"prompts profiled up to {max(prefill_lengths)} tokens ({per_seq} tokens per sequence)")
 
-    def serve(reqs: list[Request], k: int) -> list[Any]:
+    def serve(reqs: list[Request], k: int | None) -> list[Any]:
         return run_load(engine, reqs, concurrency=k, timeout_s=300.0, progress=False).results
 
     try:
@@ -382,19 +486,22 @@ def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], No
     try:
         startup_s = time.perf_counter() - t_start
         samples = collect_samples(serve, pool, batch_cap, prefill_lengths, decode_prompts, rng, log,
-                                  lambda index: part.prompt_ms(engine, index), protocol)
+                                  lambda index: part.prompt_ms(engine, index), protocol, per_seq)
         facts = part.facts(engine)
     finally:
         engine.stop(drain=False)
     if facts.get("prefix_cache_hit_tokens"):  # fresh prompts share no prefix: a hit would shorten measured prefills
         notes.append(f"the engine's prefix cache served {facts['prefix_cache_hit_tokens']} prompt tokens of the "
                      "profile's fresh prompts: its prefill times may be low")
-    prefill, decode, gaps = samples["prefill"], samples["decode"], samples["gaps"]
+    prefill, decode, gaps, mixed = samples["prefill"], samples["decode"], samples["gaps"], samples["mixed"]
     if len(prefill) < 4 or len(decode) < 3:
         raise TunerError(f"profile: too few samples ({len(prefill)} prefill, {len(decode)} decode): the engine's "
                          "requests failed; expected an engine that answers (see tuner bench on the same "
                          "configuration)")
-    _, fit = fit_step_model(decode, prefill, gaps)
+    model, fit = fit_step_model(decode, prefill, gaps, mixed)
+    if mixed_seqs(batch_cap) and not model.mixed:
+        notes.append(f"{len(mixed)} mixed steps measured (3 at 2 prompt lengths needed): a prompt joining running "
+                     "decodes is predicted to cost what it costs alone")
     return {
         "version": VERSION, "id": profile_id(key), "key": key,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -404,7 +511,7 @@ def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], No
         "ranges": {"max_seqs": batch_cap, "max_context_per_seq": max(decode_prompts) + DECODE_TOKENS,
                    "max_prompt_tokens": max(prefill_lengths)},
         "fit": fit,
-        "samples": {"decode": decode, "prefill": prefill,
+        "samples": {"decode": decode, "prefill": prefill, "mixed": mixed,
                     "gaps": [[k, ctx, round(g, 6)] for k, ctx, g in gaps]},
         "cost_s": {"total": time.perf_counter() - t_start, "startup": startup_s, **samples["cost_s"]},
         "engine": facts,
