@@ -46,7 +46,7 @@ def format_profile(p: dict[str, Any]) -> str:
              f"{key['host']['cpu_model']} x{key['host']['cores']}",
              f"  measured {p.get('measured_at')} at batch cap {p['batch_cap']} (sequences {p['concurrencies']}) in "
              f"{cost.get('total', 0):.0f} s (startup {cost.get('startup', 0):.0f}, prefill {cost.get('prefill', 0):.0f}, "
-             f"decode {cost.get('decode', 0):.0f})",
+             f"decode {cost.get('decode', 0):.0f}, mixed {cost.get('mixed', 0):.0f})",
              "  decode step = " + (", ".join(f"{t * 1e3:.1f} ms at {k}" for k, t in m["decode_by_batch_s"]) + " sequences"
                                    if m.get("decode_by_batch_s") else f"{m['decode_base_s'] * 1e3:.2f} ms + "
                                    f"{m['decode_per_seq_s'] * 1e3:.3f} ms/sequence")
@@ -56,6 +56,11 @@ def format_profile(p: dict[str, Any]) -> str:
              f"  prefill alone = {(m['decode_base_s'] + m['prefill_base_s']) * 1e3:.1f} ms + "
              f"{m['prefill_per_token_s'] * 1e3:.3f} ms/prompt token (RMSE {fit['prefill']['rmse_s'] * 1e3:.1f} ms, "
              f"{fit['prefill']['relative_rmse']:.0%}, n={fit['prefill']['n']})"]
+    if m.get("mixed"):
+        mixed = fit["mixed"]
+        lines.append(f"  a prompt joining running decodes adds {m['mixed_base_s'] * 1e3:.1f} ms + "
+                     f"{m['mixed_per_token_s'] * 1e3:.3f} ms/prompt token to their step (RMSE "
+                     f"{mixed['rmse_s'] * 1e3:.1f} ms, n={mixed['n']})")
     kv = (p.get("engine") or {}).get("kv")
     if kv:
         lines.append(f"  KV cache the engine allocated: {kv['num_blocks']} blocks x {kv['block_tokens']} tokens = "

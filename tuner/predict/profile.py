@@ -400,7 +400,7 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     log("prefill TTFT: " + ", ".join(f"{s['prompt_tokens']} tokens {s['ttft_s'] * 1e3:.0f} ms" for s in prefill))
     decode: list[dict[str, Any]] = []
     gaps: list[tuple[int, int, float]] = []
-    decoding_s = 0.0  # the longest a decode wave took until all its requests decoded
+    decoding_s: dict[int, float] = {}  # per concurrency: the longest its decode waves took until all decoded
     t = time.perf_counter()
     for k in concurrencies(batch_cap):
         for p in decode_prompts:
@@ -410,7 +410,7 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
                 gaps += wave
                 decode += [dict(s, prompt_tokens=p) for s in decode_samples(wave)]
                 if p == decode_prompts[0] and wave:
-                    decoding_s = max(decoding_s, max(r.send_s + r.ttft_ms / 1e3 for r in results))
+                    decoding_s[k] = max(decoding_s.get(k, 0.0), max(r.send_s + r.ttft_ms / 1e3 for r in results))
         kept = [g[2] for g in gaps if g[0] == k]
         log(f"decode at {k} sequences: {len(kept)} steps kept, median "
             f"{statistics.median(kept) * 1e3 if kept else float('nan'):.1f} ms")
@@ -426,22 +426,23 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
 
 def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool: list[int], batch_cap: int,
                   prefill_lengths: list[int], decode_prompts: list[int], prefill: list[dict[str, Any]],
-                  gaps: list[tuple[int, int, float]], decoding_s: float, room: int | None, rng: random.Random,
-                  protocol: Protocol) -> list[dict[str, Any]]:
+                  gaps: list[tuple[int, int, float]], decoding_s: dict[int, float], room: int | None,
+                  rng: random.Random, protocol: Protocol) -> list[dict[str, Any]]:
     """Mixed waves (`mixed_wave`, sent open loop) at each of `mixed_seqs`, the prompt lengths in pairs, paced by
-    the decode steps and prefill TTFTs measured before."""
-    if not protocol.mixed or not gaps or not prefill:
+    what the decode waves at the nearest concurrency at or above took (steps, time until all decoded) and by the
+    prefill TTFTs measured before."""
+    if not protocol.mixed or not gaps or not prefill or not decoding_s:
         return []
     median_ttft = {p: statistics.median(s["ttft_s"] for s in prefill if s["prompt_tokens"] == p)
                    for p in {s["prompt_tokens"] for s in prefill}}
     room = room if room is not None else max(prefill_lengths) + DECODE_TOKENS + max(decode_prompts)
     out: list[dict[str, Any]] = []
     for k in mixed_seqs(batch_cap):
-        near = min({g[0] for g in gaps}, key=lambda m: (abs(m - k), -m))
+        near = min((m for m in decoding_s if m >= k), default=max(decoding_s))
         step_s = statistics.median(g[2] for g in gaps if g[0] == near)
         for i in range(0, len(prefill_lengths), MIXED_PROBES):
             lengths = prefill_lengths[i:i + MIXED_PROBES]
-            reqs = mixed_wave(pool, k, lengths, decoding_s * 1.5, step_s,
+            reqs = mixed_wave(pool, k, lengths, decoding_s[near] * 1.25, step_s,
                               lambda p: median_ttft.get(p, max(median_ttft.values())), room, rng)
             out += mixed_steps(serve(reqs, None), k)
     return out
