@@ -528,9 +528,12 @@ def read_profile(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and data.get("version") == VERSION and "fit" in data else None
 
 
-def differs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """The parts of two profile keys that differ (build, host, ...)."""
-    return [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+KEY_PART_WORDS = {"model": "model hash"}  # other_profiles matches the model's name: what differs is its hash
+
+
+def differs(a: dict[str, Any], b: dict[str, Any], words: dict[str, str] | None = None) -> list[str]:
+    """The parts of two profile keys that differ (build, host, ...), named by `words` where it has them."""
+    return [(words or {}).get(k, k) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def other_profiles(key: dict[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
@@ -575,7 +578,7 @@ def load_or_measure(config: TrialConfig, batch_cap: int, refresh: bool = False,
         if other == path:
             continue  # said above
         notes.append(f"a profile of this model and format from another "
-                     f"{' and '.join(differs(prof['key'], key)).replace('model', 'model hash')} "
+                     f"{' and '.join(differs(prof['key'], key, KEY_PART_WORDS))} "
                      f"({other.name}, measured {prof.get('measured_at')}) is not reused here: measured again")
     log(f"profiling {config.model} {config.quant} on {config.engine} at {side(config).cap_name} {batch_cap} "
         f"(concurrencies {concurrencies(batch_cap)})")
