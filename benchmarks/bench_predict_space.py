@@ -13,6 +13,7 @@ The machine may be shared: the script times a fixed CPU loop (`canary`) before a
 average; a canary slower than on a quiet host says the figures are slower by about as much.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_predict_space.py [--repeats 3] [--skip-cli] [--skip-space]
+        [--profile-file saved.json]
         [--slo-median 'ttft:p90<2s'] [--slo-tail 'ttft:p99<2s'] [--configs Q8_0:4,Q8_0:1,...] [--json out.json]
 
 `--configs` with `--json` writes each configuration's predicted capacity and band (the before/after table: run it
@@ -55,10 +56,14 @@ def load_line() -> str:
     return f"load average {one:.2f} (1 min) {five:.2f} (5 min) on {os.cpu_count()} CPUs"
 
 
-def read_profile(pid: str) -> dict[str, Any]:
+def read_profile(pid: str, path: Path | None = None) -> dict[str, Any]:
+    """The cached profile `pid`, or with `path` that file read as it is (a copy kept for a before/after comparison:
+    a profile of another version than the code's own, which its cache lookup would not read)."""
     from tuner.predict.profile import profiles_dir
     from tuner.predict.profile import read_profile as read
 
+    if path is not None:
+        return {**json.loads(path.read_text(encoding="utf-8")), "cached": True}
     prof = read(profiles_dir() / f"{pid}.json")
     if prof is None:
         raise SystemExit(f"no cached profile {pid} under {profiles_dir()}: run `tuner profile` first (see the docstring)")
@@ -193,6 +198,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="timings per configuration (the median is printed)")
     ap.add_argument("--profile", default=PROFILE, help=f"cached profile id (default {PROFILE})")
+    ap.add_argument("--profile-file", type=Path, default=None,
+                    help="a profile JSON read as it is instead of the cache's --profile (any version the code reads)")
     ap.add_argument("--slo-median", default="ttft:p90<2s")
     ap.add_argument("--slo-tail", default="ttft:p99<2s")
     ap.add_argument("--configs", default="Q8_0:4,Q8_0:1",
@@ -212,7 +219,7 @@ def main() -> int:
     print(f"code: {code_root()}")
     before = canary_s()
     print(f"canary (fixed CPU loop): {before:.2f} s; {load_line()}", flush=True)
-    prof = read_profile(args.profile)
+    prof = read_profile(args.profile, args.profile_file)
     tokenizer = load_tokenizer(checkpoint_dir(MODEL))
     spec = workload_spec()
     out: dict[str, Any] = {"canary_s": [before], "load": [os.getloadavg()], "configs": [], "cli": [], "space": []}

@@ -164,11 +164,13 @@ def test_a_per_batch_table_sets_the_step_time() -> None:
 
 
 # ------------------------------------------------------------------------------------------- fast paths --- #
-def plain_run(engine: SimulatedEngine, reqs: list[Request], concurrency: int | None = None, timeout_s: float = 3600.0,
-              should_stop=None) -> dict:
+def plain_run(engine: SimulatedEngine, reqs: list[Request], rng, concurrency: int | None = None,
+              timeout_s: float = 3600.0, should_stop=None) -> dict:
     """The simulation as it was before its decodes were counted instead of visited (commit 7cfb10c's
     SimulatedEngine.run, condensed): every running request an object updated in every step, its gaps appended one
-    by one. Driven on `engine`'s own clock, RNG and settings; returns what a LoadResult holds."""
+    by one, one step at a time, each step's noise drawn from the standard library (`rng`, a
+    random.Random("simulated-engine-<seed>") kept across runs: the engine's own block noise is not used). Driven on
+    `engine`'s clock and settings; returns what a LoadResult holds."""
     from collections import deque
 
     from tuner.measure.metrics import RequestResult
@@ -249,7 +251,10 @@ def plain_run(engine: SimulatedEngine, reqs: list[Request], concurrency: int | N
                 chunks.append((s, take))
                 prompt_tokens += take
                 budget -= take
-        dt = engine.step_time_s(len(decoding), ctx_decoding, prompt_tokens)
+        dt = engine.model.step_s(len(decoding), ctx_decoding, prompt_tokens)
+        sigma = engine.model.noise_sigma
+        if sigma > 0:
+            dt *= rng.lognormvariate(-sigma * sigma / 2.0, sigma)
         engine.steps += 1
         if t + dt > deadline:
             t = deadline
@@ -317,6 +322,7 @@ def test_the_counted_engine_serves_exactly_as_the_per_request_simulation() -> No
         cap = rng.choice([1, 2, 4, 8])
         settings = {"kv_tokens": rng.choice([None, 400, 2000]), "token_budget": rng.choice([None, 2048, 64, cap])}
         fast, plain = (SimulatedEngine(model, cap, seed=case, **settings) for _ in range(2))
+        noise = random.Random(f"simulated-engine-{case}")
         for k in range(3):
             reqs = [Request(i, "", tuple(range(rng.randint(0, 300))), rng.randint(1, 40), None)
                     for i in range(rng.randint(1, 150))]
@@ -326,7 +332,7 @@ def test_the_counted_engine_serves_exactly_as_the_per_request_simulation() -> No
             if stop_at:
                 kw["should_stop"] = lambda f, total, at=stop_at: f"{len(f)} finished" if len(f) >= at else None
             reqs = with_arrivals(reqs, None if closed else rng.uniform(1, 50), "poisson", k)
-            got, want = fast.run(reqs, **kw), plain_run(plain, reqs, **kw)
+            got, want = fast.run(reqs, **kw), plain_run(plain, reqs, noise, **kw)
             assert [dataclasses.asdict(r) for r in got.results] == [dataclasses.asdict(r) for r in want["results"]]
             assert (got.duration_s, got.stopped_reason, got.sent, got.last_send_s) == (
                 want["duration_s"], want["stopped_reason"], want["sent"], want["last_send_s"]), case
@@ -384,3 +390,73 @@ def test_the_counted_early_stop_decides_as_the_padded_recount() -> None:
             assert (said is not None) == recount(slo, ramp, conf, finished, total), (case, len(finished))
             decided += said is not None
     assert decided > 100  # the cases reach the stop often, not only the waits before it
+
+
+def test_the_block_noise_is_the_standard_librarys_lognormal_stream() -> None:
+    """LognormalStream gives random.Random(seed).lognormvariate(mu, sigma)'s values, each to the last bit and in
+    order, one at a time and in blocks mixed, across block refills, for the engine's seeds and a range of sigmas
+    (the rejection loop's acceptance rate moves with none of them: the uniforms it consumes must line up)."""
+    import random
+
+    from tuner.predict.noise import LognormalStream
+
+    for seed in ("simulated-engine-0", "simulated-engine-41", 7):
+        for sigma in (0.01, 0.043, 0.2, 1.5):
+            mu = -sigma * sigma / 2.0
+            stream, reference = LognormalStream(seed, mu, sigma), random.Random(seed)
+            got = [stream.next() for _ in range(3000)] + stream.peek(7) + stream.take(9000).tolist()
+            got += [stream.next() for _ in range(5)]
+            values = [reference.lognormvariate(mu, sigma) for _ in range(12005)]
+            want = values[:3000] + values[3000:3007] + values[3000:12000] + values[12000:]  # peeked, then taken
+            assert got == want, (seed, sigma)
+
+
+# llama-server -t 1 Q8_0 of smollm2-135m on this project's 2-core host (profile 7508b04e6e69, version 2): the step
+# model `tuner profile` fitted, as the whole-space benchmark predicts with it
+MEASURED = StepModel(decode_base_s=0.0, decode_per_context_token_s=3.868370376302503e-06,
+                     prefill_base_s=0.007710653199272961, prefill_per_token_s=0.0018455505714419739,
+                     noise_sigma=0.04316216711647216,
+                     decode_by_batch_s=((1, 0.006732546218689153), (2, 0.02346169143318618),
+                                        (4, 0.038652222459096754), (8, 0.06184029148068756),
+                                        (16, 0.054737546740721385)))
+
+
+def test_a_tail_slo_capacity_search_on_a_measured_profile_is_the_per_request_simulations() -> None:
+    """The real capacity search at ttft:p99 (probes of 597+ requests, canaries, saturation, bisection) driven on
+    the engine as it runs now (decode-only stretches computed together, block noise) and on the per-request
+    simulation with the standard library's noise, on a step model fitted to a real llama-server profile and the
+    llama.cpp space's workload (64:192 prompt tokens, 24:48 out): the same search to the last bit (every probe's
+    figures, the capacity, its interval, the clock)."""
+    import random
+
+    from tuner.measure.capacity import CapacityOptions, CapacitySearch, probe_requests_for
+    from tuner.slo import SLO, parse_slo
+
+    slo = SLO(bounds=tuple(parse_slo("ttft:p99<2s")))
+    options = CapacityOptions(slo=slo, probe_requests=probe_requests_for(slo, 3, None), max_probes=3,
+                              max_wall_s=1e6, max_requests=3 * 3 * probe_requests_for(slo, 3, None)[1])
+    rng = random.Random(3)
+    pool = [Request(i, "", tuple(range(rng.randint(64, 192))), rng.randint(24, 48), None)
+            for i in range(options.pool_size(4))]
+
+    class Plain:
+        def __init__(self) -> None:
+            self.engine = SimulatedEngine(MEASURED, 2, seed=11)
+            self.noise = random.Random("simulated-engine-11")
+
+        def run(self, reqs, concurrency=None, timeout_s=3600.0, should_stop=None, **_):
+            from tuner.measure.loadgen import LoadResult
+
+            got = plain_run(self.engine, reqs, self.noise, concurrency=concurrency, timeout_s=timeout_s,
+                            should_stop=should_stop)
+            return LoadResult(results=got["results"], duration_s=got["duration_s"], token_ids=[[] for _ in reqs],
+                              stopped_reason=got["stopped_reason"], sent=got["sent"], last_send_s=got["last_send_s"])
+
+    fast, plain = SimulatedEngine(MEASURED, 2, seed=11), Plain()
+    got = CapacitySearch(fast.run, pool, 2, options, clock=fast.clock).search()
+    want = CapacitySearch(plain.run, pool, 2, options, clock=plain.engine.clock).search()
+    assert got["requests_per_s"] > 0 and got["cost"]["requests"] > 2000  # a real tail search, not a trivial one
+    for r in (got, want):
+        r.pop("host", None)
+    assert got == want
+    assert (fast.now, fast.steps) == (plain.engine.now, plain.engine.steps)

@@ -255,6 +255,28 @@ def test_without_a_timeout_every_format_within_the_profile_cap_is_predicted() ->
     assert (best.config["quant"], best.config["batch_cap"]) == ("Q8_0", 4)  # the faster steps, the most slots
 
 
+def test_the_simulations_run_in_worker_processes_predict_what_the_serial_run_does(monkeypatch) -> None:
+    """prepare with every simulation prefetched in 2 worker processes (tuner.predict.estimate.prefetch) predicts
+    each configuration, band, note and left-out entry as the serial run does, to the last bit; and the prefetch
+    ran every search predict_group and band_all then made (none left for the serial code)."""
+    import tuner.predict.estimate as est
+
+    space = load_space(SPACE)
+    runs = []
+    for workers in (1, 2):
+        monkeypatch.setattr(est, "workers_available", lambda w=workers: w)
+        est._SEARCHES.clear()
+        strategy = SimulatedProfiles(pool)
+        strategy.prepare(context(space), time_left_s=None)
+        runs.append((strategy, len(est._SEARCHES)))
+    (serial, _), (parallel, kept) = runs
+    assert "prefetch" not in serial.timing
+    assert parallel.timing["prefetch"]["simulations"] == kept == 6 * (1 + st.BAND_REPLICATES + 2)
+    assert ([(p.key, p.rps, p.band, p.notes, p.extrapolated, p.profile) for p in parallel.predictions]
+            == [(p.key, p.rps, p.band, p.notes, p.extrapolated, p.profile) for p in serial.predictions])
+    assert (parallel.left_out, parallel.notes) == (serial.left_out, serial.notes)
+
+
 class OneFormatTooSlow(SimulatedProfiles):
     """Q8_0's profile so slow (30 s a decode step) that no simulated request ends within the request timeout."""
 

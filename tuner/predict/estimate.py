@@ -40,7 +40,7 @@ CURVE_REQUESTS = 120
 REPLICATES = 4  # simulations with resampled fit parameters behind a band
 SPEED_DRIFT = 0.2  # the band's engine speed: every step x 1.2 and / 1.2 (see the module docstring)
 HOST_NOTE = "the host was busy"  # CapacitySearch's note on the real host's CPU load: meaningless in virtual time
-SEARCHES_KEPT = 1024  # simulated capacity searches remembered (a whole llama.cpp space's points: 420)
+SEARCHES_KEPT = 4096  # simulated capacity searches remembered (a whole llama.cpp space: 480 points, 2,400 with bands)
 
 
 def scaled(model: StepModel, factor: float) -> StepModel:
@@ -99,19 +99,81 @@ def simulated_capacity(model: StepModel, batch_cap: int, pool: Sequence[Request]
     again)."""
     import copy
 
-    kv_tokens = binding_kv(kv_tokens, batch_cap, pool)
-    key = (model, batch_cap, pool_digest(pool), options, budget, seed, kv_tokens)
+    key = search_key(model, batch_cap, pool, options, budget, seed, kv_tokens)
     if key in _SEARCHES:
         _SEARCHES.move_to_end(key)
         return copy.deepcopy(_SEARCHES[key])
-    engine = SimulatedEngine(model, batch_cap, kv_tokens=kv_tokens, token_budget=budget, seed=seed)
+    engine = SimulatedEngine(model, batch_cap, kv_tokens=key[-1], token_budget=budget, seed=seed)
     result = CapacitySearch(engine.run, pool, batch_cap, options, clock=engine.clock).search()
     result.pop("host", None)
     result["notes"] = [n for n in result["notes"] if not n.startswith(HOST_NOTE)]
+    keep(key, result)
+    return result
+
+
+def search_key(model: StepModel, batch_cap: int, pool: Sequence[Request], options: CapacityOptions,
+               budget: int | None, seed: int, kv_tokens: int | None = None) -> tuple[Any, ...]:
+    """What a simulated capacity search's result depends on: simulated_capacity's arguments, the pool by digest
+    and the KV capacity only where it binds (its last element)."""
+    return (model, batch_cap, pool_digest(pool), options, budget, seed, binding_kv(kv_tokens, batch_cap, pool))
+
+
+def keep(key: tuple[Any, ...], result: dict[str, Any]) -> None:
+    """Remember a search's result (a copy) under its key; the oldest beyond SEARCHES_KEPT are forgotten."""
+    import copy
+
     _SEARCHES[key] = copy.deepcopy(result)
+    _SEARCHES.move_to_end(key)
     while len(_SEARCHES) > SEARCHES_KEPT:
         _SEARCHES.popitem(last=False)
-    return result
+
+
+_PENDING: list[tuple[Any, ...]] = []  # prefetch's calls, read by its forked workers
+
+
+def _run_pending(i: int) -> tuple[int, dict[str, Any] | None]:
+    try:
+        return i, simulated_capacity(*_PENDING[i])
+    except Exception:  # the caller's own call raises it again, where it is handled
+        return i, None
+
+
+def workers_available() -> int:
+    """CPUs this process may run on."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def prefetch(calls: Sequence[tuple[Any, ...]], workers: int) -> int:
+    """Run the simulated_capacity calls `calls` (argument tuples) not kept yet in `workers` forked processes and keep
+    each result as if it had run here: a search is a pure function of its arguments, so the serial code that then
+    makes the same calls gets the same figures, only sooner (what it does not find kept it runs itself, as
+    before). Nothing when fewer than 2 workers or searches, or where processes cannot fork. Returns the searches
+    run."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    global _PENDING
+    todo: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    for call in calls:
+        key = search_key(*call)
+        if key not in _SEARCHES and key not in todo:
+            todo[key] = call
+    if workers < 2 or len(todo) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return 0
+    keys, _PENDING = list(todo), list(todo.values())
+    try:
+        with ProcessPoolExecutor(min(workers, len(keys)), mp_context=multiprocessing.get_context("fork")) as pool:
+            for i, result in pool.map(_run_pending, range(len(keys))):
+                if result is not None:
+                    keep(keys[i], result)
+    finally:
+        _PENDING = []
+    return len(keys)
 
 
 def percentiles(summary: dict[str, Any]) -> dict[str, Any]:
@@ -166,6 +228,20 @@ def extrapolation(profile: dict[str, Any], batch_cap: int, pool: Sequence[Reques
     return max([1.0, *factors.values()]), notes
 
 
+def predict_searches(profile: dict[str, Any], config: Any, pool: Sequence[Request], options: CapacityOptions,
+                     replicates: int = REPLICATES, seed: int = 0, speed_drift: float = SPEED_DRIFT
+                     ) -> list[tuple[Any, ...]]:
+    """The capacity searches `predict` runs, as simulated_capacity's arguments: the point (the profile's own step
+    model, `seed`), then the band's `replicates` resampled fits and the speed pair (seeds `seed` + 1 ...)."""
+    limit = scheduler_limits(profile, config)
+    base = step_model(profile)
+    fits = bootstrap_models(profile["samples"]["decode"], profile["samples"]["prefill"], base, replicates, seed,
+                            profile["samples"].get("mixed", ()))
+    models = [base, *fits, *speed_models(base, speed_drift)]
+    return [(m, config.batch_cap, pool, options, limit["token_budget"], seed + i, limit["kv_tokens"])
+            for i, m in enumerate(models)]
+
+
 def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], options: CapacityOptions,
             replicates: int = REPLICATES, seed: int = 0, rates: Sequence[float] = (), shares: Sequence[float] = (),
             requests_at: Callable[[float], tuple[Sequence[Request], Sequence[Request]]] | None = None,
@@ -178,12 +254,10 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
     cap = config.batch_cap
     limit = scheduler_limits(profile, config)
     budget, kv = limit["token_budget"], limit["kv_tokens"]
-    base = step_model(profile)
-    fits = bootstrap_models(profile["samples"]["decode"], profile["samples"]["prefill"], base, replicates, seed,
-                            profile["samples"].get("mixed", ()))
-    models = fits + speed_models(base, speed_drift)
-    point = simulated_capacity(base, cap, pool, options, budget, seed, kv)
-    reps = [simulated_capacity(m, cap, pool, options, budget, seed + 1 + i, kv) for i, m in enumerate(models)]
+    calls = predict_searches(profile, config, pool, options, replicates, seed, speed_drift)
+    base, models = calls[0][0], [c[0] for c in calls[1:]]
+    point = simulated_capacity(*calls[0])
+    reps = [simulated_capacity(*c) for c in calls[1:]]
     factor, notes = extrapolation(profile, cap, pool)
     notes.append(f"scheduler limits: {budget} tokens a step, "
                  + (f"KV {kv} tokens" if kv is not None else "no KV admission limit") + f" ({limit['source']})")

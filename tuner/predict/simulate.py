@@ -28,16 +28,20 @@ from __future__ import annotations
 
 import heapq
 import math
-import random
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from tuner.errors import TunerError
 from tuner.measure.loadgen import LoadResult
 from tuner.measure.metrics import RequestResult
 from tuner.measure.workload import Request
+from tuner.predict.noise import LognormalStream
+
+STRETCH_MIN = 8  # decode-only steps before the next finishing one that are computed together (fewer: one by one)
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,9 @@ class SimulatedEngine:
             raise TunerError(f"token budget {token_budget} is invalid: expected an integer >= the batch cap "
                              f"({batch_cap}), so every running sequence can decode in a step")
         self.model, self.cap, self.kv_tokens, self.token_budget = model, batch_cap, kv_tokens, token_budget
-        self.rng = random.Random(f"simulated-engine-{seed}")
+        # the step noise: random.Random(f"simulated-engine-{seed}").lognormvariate(mu, sigma), value for value
+        sigma = model.noise_sigma
+        self.noise = LognormalStream(f"simulated-engine-{seed}", -sigma * sigma / 2.0, sigma) if sigma > 0 else None
         self.now = 0.0
         self.steps = 0  # steps simulated so far, all runs together
         self.batch_times = [model.batch_s(k) for k in range(batch_cap + 1)]  # a decoding step's base, per batch
@@ -160,8 +166,35 @@ class SimulatedEngine:
 
     def step_time_s(self, batch: int, context_tokens: int, prompt_tokens: int) -> float:
         t = self.model.step_s(batch, context_tokens, prompt_tokens)
-        sigma = self.model.noise_sigma
-        return t * self.rng.lognormvariate(-sigma * sigma / 2.0, sigma) if sigma > 0 else t
+        return t * self.noise.next() if self.noise is not None else t
+
+    def stretch(self, k: int, decoding: int, ctx_decoding: int, t: float, t_prev: float, deadline: float,
+                arrival_s: float, gaps_ms: list[float]) -> tuple[int, float]:
+        """Up to `k` decode-only steps of `decoding` sequences over `ctx_decoding` context tokens from `t`, computed
+        together with the step loop's own operations in its order (each step's time, its noise draw, the running sum
+        of end times: `accumulate` adds one after another), so every figure is the loop's to the last bit. The
+        stretch ends early after the step that reaches `arrival_s` (a request the next step's start admits) and
+        before a step that would pass `deadline` (the loop itself takes that one). Appends the steps' gaps to
+        `gaps_ms`, counts them in `steps`, consumes their noise; (steps taken, the last one's end)."""
+        base, per_ctx = self.batch_times[decoding], self.model.decode_per_context_token_s
+        if self.noise is not None:
+            factors = self.noise.peek(k)
+            dts = [(base + per_ctx * (ctx_decoding + decoding * j)) * f for j, f in enumerate(factors)]
+        else:
+            dts = [base + per_ctx * (ctx_decoding + decoding * j) for j in range(k)]
+        ends = list(accumulate(dts, initial=t))
+        del ends[0]
+        m = k if ends[-1] <= deadline else bisect_right(ends, deadline)  # ends[:m] <= deadline
+        if m and arrival_s <= ends[m - 1]:
+            m = bisect_left(ends, arrival_s) + 1  # through the first end >= arrival_s
+        if m == 0:
+            return 0, t
+        gaps_ms.append((ends[0] - t_prev) * 1e3)
+        gaps_ms += [(b - a) * 1e3 for a, b in zip(ends, ends[1:m])]
+        self.steps += m
+        if self.noise is not None:
+            self.noise.skip(m)
+        return m, ends[m - 1]
 
     def run(self, requests: Sequence[Request], concurrency: int | None = None, timeout_s: float = 3600.0,
             should_stop: Callable[[list[RequestResult], int], str | None] | None = None,
@@ -171,7 +204,9 @@ class SimulatedEngine:
 
         Per step the work is O(1) plus the prompts in it: the decoding sequences are counted (`decoding`, their
         context `ctx_decoding`), not visited; each one's finishing step is known when its first token comes (a heap),
-        and its gaps are a slice of the run's step gaps (`gaps_ms`, the same differences of step end times)."""
+        and its gaps are a slice of the run's step gaps (`gaps_ms`, the same differences of step end times). Between
+        one step with a prompt or a finish and the next, decode-only steps that nothing can interrupt (`stretch`) are
+        computed together; the step noise comes in blocks (tuner.predict.noise: the same values)."""
         t0 = self.now
         n = len(requests)
         deadline = t0 + timeout_s
@@ -188,9 +223,8 @@ class SimulatedEngine:
         batch_times = self.batch_times
         per_ctx, pre_base, pre_tok = model.decode_per_context_token_s, model.prefill_base_s, model.prefill_per_token_s
         mixed, mix_base, mix_tok = model.mixed, model.mixed_base_s, model.mixed_per_token_s
-        sigma = model.noise_sigma
-        mu = -sigma * sigma / 2.0
-        lognorm = self.rng.lognormvariate
+        noise = self.noise
+        draw = noise.next if noise is not None else None
         budget_cap = self.token_budget
         gaps_ms: list[float] = []  # per step of this run: its end minus the previous step's end, ms
         kv_used = 0
@@ -269,6 +303,17 @@ class SimulatedEngine:
                 t = max(t, t_next)  # idle until the next arrival
                 self.now = t
                 continue
+            if not prefilling and ending[0][0] - step > STRETCH_MIN:
+                # a stretch of decode-only steps up to the next finishing one: the same steps, computed together
+                m, t_end = self.stretch(ending[0][0] - step - 1, decoding, ctx_decoding, t, t_prev, deadline,
+                                        t0 + (requests[cursor].arrival_s or 0.0)
+                                        if reason is None and cursor < n and not concurrency and not waiting
+                                        and decoding < cap else math.inf, gaps_ms)
+                if m:
+                    step += m
+                    ctx_decoding += decoding * m
+                    t = t_prev = self.now = t_end
+                    continue
             # one step: decodes first, then prompt tokens (whole, or what the token budget leaves)
             prompt_tokens = 0
             chunks: list[tuple[_Seq, int]] = []
@@ -284,8 +329,8 @@ class SimulatedEngine:
             dt = batch_times[decoding] + per_ctx * ctx_decoding
             if prompt_tokens:
                 dt += (mix_base + mix_tok * prompt_tokens) if mixed and decoding else pre_base + pre_tok * prompt_tokens
-            if sigma > 0:
-                dt *= lognorm(mu, sigma)
+            if draw is not None:
+                dt *= draw()
             self.steps += 1
             if t + dt > deadline:
                 t = deadline

@@ -285,6 +285,7 @@ class PredictStrategy:
                               f"time; a blind measurement within --capacity-timeout {ctx.capacity_timeout_s:.0f} s "
                               "stops after a probe or two): each measured configuration is verified at its "
                               "prediction instead")
+        profiled: list[tuple[list[Prediction], dict[str, Any]]] = []
         for fmt in order:
             members = groups[fmt]
             cap = max(p.config["batch_cap"] for p in members)
@@ -317,6 +318,9 @@ class PredictStrategy:
                                                    "batch_cap": profile["batch_cap"], "profile_s": took}
             if cached is None:  # why it was measured (another host or build's profile not reused, ...)
                 self.notes += [f"profile of {describe_format(fmt)}: {n}" for n in profile.get("notes") or []]
+            profiled.append((members, profile))
+        self.prefetch(profiled, options)
+        for members, profile in profiled:
             self.predict_group(members, profile, options)
         self.band_all(options)
         self.timing["profile_s"] = spent_s
@@ -361,25 +365,68 @@ class PredictStrategy:
         self.log(f"predict: profiling {describe_format(format_of(widest.config))} at batch cap {cap}")
         return load_or_measure(TrialConfig.from_dict(widest.config), cap, log=self.log)
 
+    def limit_groups(self, members: list[Prediction], profile: dict[str, Any]
+                     ) -> tuple[list[tuple[tuple[int, int | None, int], list[Prediction]]], list[tuple[Prediction, str]]]:
+        """This format's configurations by (batch cap, KV tokens, step budget), in the order they are predicted, and
+        those whose limits the profile cannot give (with why)."""
+        from tuner.config import TrialConfig
+        from tuner.errors import one_line
+        from tuner.predict.profile import scheduler_limits
+
+        by_cap: dict[tuple[int, int | None, int], list[Prediction]] = {}  # (batch cap, KV tokens, step budget)
+        failed = []
+        for p in members:
+            try:
+                lim = scheduler_limits(profile, TrialConfig.from_dict(p.config))
+            except Exception as e:  # e.g. a profile that recorded no limits: said, left out
+                failed.append((p, f"{describe_format(format_of(p.config))}: its scheduler limits ({one_line(e)})"))
+                continue
+            by_cap.setdefault((p.config["batch_cap"], lim["kv_tokens"], lim["token_budget"]), []).append(p)
+        return sorted(by_cap.items(), key=lambda g: (g[0][0], g[0][1] or 0, g[0][2])), failed
+
+    def prefetch(self, profiled: list[tuple[list[Prediction], dict[str, Any]]], options: Any) -> None:
+        """Every simulation predict_group and band_all will make, run at once in worker processes (one per CPU,
+        tuner.predict.estimate.prefetch): they then find each search's result kept, the same figures sooner. The
+        band of a (profile, batch cap) is its first group's (band_all takes the first prediction's limits)."""
+        from tuner.config import TrialConfig
+        from tuner.predict.estimate import predict_searches, prefetch, workers_available
+        from tuner.predict.profile import step_model
+
+        workers = workers_available()
+        if workers < 2:
+            return
+        calls = []
+        for members, profile in profiled:
+            banded: set[int] = set()
+            try:
+                model = step_model(profile)
+                for (cap, kv, budget), same in self.limit_groups(members, profile)[0]:
+                    config = TrialConfig.from_dict(same[0].config)
+                    requests = self.pool(config, options)
+                    if cap in banded:
+                        calls.append((model, cap, requests, options, budget, self.seed, kv))
+                    else:
+                        banded.add(cap)
+                        calls += predict_searches(profile, config, requests, options, BAND_REPLICATES, self.seed)
+            except Exception:  # predict_group and band_all meet it again and say it
+                continue
+        t = time.perf_counter()
+        ran = prefetch(calls, workers)
+        self.timing["prefetch"] = {"workers": workers, "simulations": ran, "s": time.perf_counter() - t}
+
     def predict_group(self, members: list[Prediction], profile: dict[str, Any], options: Any) -> None:
         """A point prediction per batch cap and admission limits of this format (one simulation, shared by the KV
         fractions that give the same limits)."""
         from tuner.config import TrialConfig
         from tuner.errors import one_line
         from tuner.predict.estimate import simulated_capacity
-        from tuner.predict.profile import scheduler_limits, step_model
+        from tuner.predict.profile import step_model
 
-        by_cap: dict[tuple[int, int | None, int], list[Prediction]] = {}  # (batch cap, KV tokens, step budget)
-        for p in members:
-            try:
-                lim = scheduler_limits(profile, TrialConfig.from_dict(p.config))
-            except Exception as e:  # e.g. a profile that recorded no limits: said, left out
-                self.leave_out(p, f"{describe_format(format_of(p.config))}: its scheduler limits ({one_line(e)})")
-                continue
-            by_cap.setdefault((p.config["batch_cap"], lim["kv_tokens"], lim["token_budget"]), []).append(p)
-
+        groups, failed = self.limit_groups(members, profile)
+        for p, why in failed:
+            self.leave_out(p, why)
         model = step_model(profile)
-        for (cap, kv, budget), same in sorted(by_cap.items(), key=lambda g: (g[0][0], g[0][1] or 0, g[0][2])):
+        for (cap, kv, budget), same in groups:
             config = TrialConfig.from_dict(same[0].config)
             requests = self.pool(config, options)
             t = time.perf_counter()
@@ -637,7 +684,9 @@ class PredictStrategy:
                                     "point_s_per_simulation": statistics.median(points) if points else None,
                                     "point_s_total": sum(points), "band_s_total": self.timing.get("band_s"),
                                     "profile_s_total": self.timing.get("profile_s"),
-                                    "s_per_configuration": ((sum(points) + (self.timing.get("band_s") or 0.0))
+                                    "prefetch": self.timing.get("prefetch"),  # the searches run in worker processes
+                                    "s_per_configuration": ((sum(points) + (self.timing.get("band_s") or 0.0)
+                                                             + (self.timing.get("prefetch") or {}).get("s", 0.0))
                                                             / max(1, len(self.predictions)))},
                 "top_predicted": [{"config": p.config, "predicted_requests_per_s": p.rps,
                                    "predicted_band": list(p.band) if p.band else None,
