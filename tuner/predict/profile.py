@@ -9,7 +9,12 @@ model) at the largest batch cap to cover, over its streaming interface with the 
   output give (k, context tokens summed, step seconds) samples.
 * **prefill**: single requests of several prompt lengths (one token out) on the idle engine: TTFT against tokens
   (and the engine's own prompt time beside it where it reports one: llama-server's `prompt_ms`).
-Both fitted by tuner.predict.fit (residuals kept); raw gaps and TTFTs are stored in the profile.
+* **mixed** (version 3): prompts of those lengths sent, open loop, into a wave of running decodes (1 and the cap
+  less one sequences), paced by the decode and prefill times just measured; the decodes' gap that ends with a
+  prompt's first token is a step holding both: (sequences, context, prompt tokens, seconds). A lone prompt's TTFT
+  also holds what the idle engine spends before its first step (transformers' loop waking up, llama-server's task
+  launch), which a prompt joining a running batch may not pay, or pays differently.
+All fitted by tuner.predict.fit (residuals kept); raw gaps and TTFTs are stored in the profile.
 
 What differs between engines is one `Side` each (`SIDES`): what identifies its build, model and format, the
 context one sequence may hold at the profiled cap, its own prompt timing, the scheduler facts read from the running
