@@ -10,10 +10,13 @@ samples) x a factor of its own (1 + 0.01 i): distinct profiles, so no format sha
 costs of a real one (the capacities themselves are stand-ins: this measures seconds, not accuracy).
 
 The machine may be shared: the script times a fixed CPU loop (`canary`) before and after, and prints the load
-average; a canary slower than on a quiet host says the figures are slower by about as much.
+average; a canary slower than on a quiet host says the figures are slower by about as much. The space's simulations
+run in one worker process per CPU (PredictStrategy.prefetch; `--workers 1,2` times serial and 2 processes in one
+run); each space figure also says the CPU seconds it took, its worker processes' included (less moved by a neighbour
+than the wall seconds, which a neighbour taking a core doubles).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_predict_space.py [--repeats 3] [--skip-cli] [--skip-space]
-        [--profile-file saved.json]
+        [--profile-file saved.json] [--workers 1,2]
         [--slo-median 'ttft:p90<2s'] [--slo-tail 'ttft:p99<2s'] [--configs Q8_0:4,Q8_0:1,...] [--json out.json]
 
 `--configs` with `--json` writes each configuration's predicted capacity and band (the before/after table: run it
@@ -49,6 +52,15 @@ def canary_s(n: int = 20_000_000) -> float:
     for i in range(n):
         x += i * i % 7
     return time.perf_counter() - t
+
+
+def cpu_s() -> float:
+    """CPU seconds this process and its finished children (worker processes) have used: less moved by a neighbour
+    than wall seconds."""
+    import resource
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
 
 
 def load_line() -> str:
@@ -159,7 +171,8 @@ def spec_args() -> list[str]:
             "--output-len", f"{s.output_len[0]}:{s.output_len[1]}"]
 
 
-def predict_space(prof: dict[str, Any], slo_text: str, tokenizer: Any, space_path: Path = SPACE) -> dict[str, Any]:
+def predict_space(prof: dict[str, Any], slo_text: str, tokenizer: Any, space_path: Path = SPACE,
+                  workers: int | None = None) -> dict[str, Any]:
     """The whole space predicted by PredictStrategy.prepare (the cached-profile lookup answered with each format's
     stand-in profile, nothing measured), timed; what it predicted and its own cost record."""
     from tuner.cli.predict import capacity_pool
@@ -180,14 +193,15 @@ def predict_space(prof: dict[str, Any], slo_text: str, tokenizer: Any, space_pat
             formats[fmt] = scaled_profile(prof, 1 + 0.01 * len(formats), f"{prof['id']}-x{len(formats)}", cap)
         return formats[fmt]
 
-    strategy = st.PredictStrategy(lambda config, o: capacity_pool(config, spec, o, tokenizer), seed=spec.seed)
+    kw = {"workers": workers} if workers is not None else {}  # (a version without worker processes takes none)
+    strategy = st.PredictStrategy(lambda config, o: capacity_pool(config, spec, o, tokenizer), seed=spec.seed, **kw)
     strategy.cached = cached.__get__(strategy)
     forget_searches()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), cpu_s()
     strategy.prepare(ctx, None)
-    took = time.perf_counter() - t
+    took, cpu = time.perf_counter() - t, cpu_s() - cpu
     predicted = sum(p.rps is not None for p in strategy.predictions)
-    return {"slo": slo_text, "s": took, "configurations": strategy.n_configurations, "predicted": predicted,
+    return {"slo": slo_text, "s": took, "cpu_s": cpu, "configurations": strategy.n_configurations, "predicted": predicted,
             "left_out": sum(e["configurations"] for e in strategy.left_out), "formats": len(formats),
             "cost": strategy.report_prediction()["prediction_cost"],
             "top": [(p.config["quant"], p.config["batch_cap"], p.rps, p.band)
@@ -210,6 +224,9 @@ def main() -> int:
     ap.add_argument("--space", type=Path, default=SPACE, help=f"the space file (default {SPACE.name})")
     ap.add_argument("--space-slos", default=None, help="SLOs the space is predicted at, ';'-separated (default: "
                     "--slo-median and --slo-tail)")
+    ap.add_argument("--workers", default=None,
+                    help="processes the space's simulations run in, ','-separated to time several in one run "
+                         "(default: the strategy's own, one per CPU; 1: serial)")
     ap.add_argument("--json", help="write every figure as JSON")
     args = ap.parse_args()
 
@@ -249,13 +266,15 @@ def main() -> int:
                   f"{args.repeats} (a fresh process each, imports and tokenizer included)", flush=True)
     if not args.skip_space:
         slos = args.space_slos.split(";") if args.space_slos else [args.slo_median, args.slo_tail]
-        for slo_text in slos:
-            r = predict_space(prof, slo_text, tokenizer, args.space)
-            out["space"].append(r)
-            print(f"whole space {args.space.name} at {slo_text}: {r['s']:.1f} s for {r['configurations']} configurations "
+        for slo_text, workers in ((s, w) for s in slos for w in (args.workers.split(",") if args.workers else [None])):
+            r = predict_space(prof, slo_text, tokenizer, args.space, None if workers is None else int(workers))
+            out["space"].append({**r, "workers": workers})
+            print(f"whole space {args.space.name} at {slo_text}"
+                  + (f" ({workers} worker process{'es' if workers != '1' else ''})" if workers else "")
+                  + f": {r['s']:.1f} s for {r['configurations']} configurations "
                   f"({r['predicted']} predicted, {r['left_out']} left out: drafts; {r['formats']} formats, "
                   f"{r['cost']['simulations']} simulations): {r['configurations'] / r['s']:.1f} configurations/s "
-                  f"({r['predicted'] / r['s']:.1f} predicted/s)", flush=True)
+                  f"({r['predicted'] / r['s']:.1f} predicted/s); {r['cpu_s']:.1f} CPU s", flush=True)
     after = canary_s()
     out["canary_s"].append(after)
     out["load"].append(os.getloadavg())

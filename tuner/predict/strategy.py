@@ -210,8 +210,10 @@ class PredictStrategy:
     `report` for the answer). `pool_for(config, options)`: the capacity pool `tuner bench --capacity` builds."""
 
     def __init__(self, pool_for: Callable[[Any, Any], list[Any]], seed: int = 0,
-                 log: Callable[[str], None] = lambda s: None, why: str = "--strategy predict") -> None:
+                 log: Callable[[str], None] = lambda s: None, why: str = "--strategy predict",
+                 workers: int | None = None) -> None:
         self.pool_for = pool_for
+        self.workers = workers  # processes the simulations run in (prefetch); None: one per CPU
         self.why = why  # why this strategy runs (tuner.cli.search.choose_strategy): the answer says it
         self.seed = seed
         self.log = log
@@ -392,7 +394,7 @@ class PredictStrategy:
         from tuner.predict.estimate import predict_searches, prefetch, workers_available
         from tuner.predict.profile import step_model
 
-        workers = workers_available()
+        workers = self.workers if self.workers is not None else workers_available()
         if workers < 2:
             return
         calls = []
