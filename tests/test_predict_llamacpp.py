@@ -81,6 +81,8 @@ def test_predicted_ttft_band_holds_on_the_real_engine_at_two_rates(tmp_path: Pat
     speeds.append(canary())
     assert predicted["profile_cached"] is False
     assert predicted["predicted"] is True and predicted["profile"]
+    # the profile found steps where a prompt joined running decodes on the real server, and fitted them
+    assert predicted["calibration"]["step_model"]["mixed"] is True
     assert predicted["capacity"]["verdict"] == "meets" and predicted["capacity"]["requests_per_s"] > 0
     rows = []
     for at in predicted["at_rates"]:

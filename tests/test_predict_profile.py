@@ -42,7 +42,7 @@ def test_the_protocol_recovers_what_a_prompt_joining_running_decodes_costs() -> 
     # an engine whose lone prompt pays a large fixed cost (an idle engine's wake-up) that a prompt joining running
     # decodes does not: the mixed waves measure the second apart; a step model fitted without them would charge it
     truth = StepModel(**{**TRUTH.to_dict(), "prefill_base_s": 0.030, "mixed": True, "mixed_base_s": 0.002,
-                         "mixed_per_token_s": 5e-5})
+                         "mixed_per_token_s": 5e-5, "prefill_per_token_sq_s": 2e-7, "mixed_per_token_sq_s": 1e-7})
     s = profile_samples(truth)
     assert {m["seqs"] for m in s["mixed"]} == {1, 3}  # 1 and the cap less one (the prompt needs a free slot)
     assert {m["prompt_tokens"] for m in s["mixed"]} == set(prof.PREFILL_TOKENS)
@@ -50,7 +50,8 @@ def test_the_protocol_recovers_what_a_prompt_joining_running_decodes_costs() -> 
     assert model.mixed and fit["mixed"]["n"] == len(s["mixed"])
     for k, tokens in ((1, 16), (3, 384), (8, 100)):
         assert model.step_s(k, 100 * k, tokens) == pytest.approx(truth.step_s(k, 100 * k, tokens), rel=1e-3)
-    assert model.prefill_s(16) == pytest.approx(truth.prefill_s(16), rel=1e-3)  # alone: the wake-up kept
+    for tokens in (16, 96, 384, 700):  # alone: the wake-up kept, the attention's square too (700: extrapolated)
+        assert model.prefill_s(tokens) == pytest.approx(truth.prefill_s(tokens), rel=1e-3)
     without, _ = fit_step_model(s["decode"], s["prefill"], s["gaps"])
     assert not without.mixed and without.step_s(3, 300, 16) > 2 * truth.step_s(3, 300, 16)
     boots = bootstrap_models(s["decode"], s["prefill"], model, 5, seed=1, mixed=s["mixed"])

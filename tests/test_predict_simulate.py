@@ -244,14 +244,16 @@ def plain_run(engine: SimulatedEngine, reqs: list[Request], rng, concurrency: in
         budget = engine.token_budget if engine.token_budget is not None else math.inf
         decoding = [s for s in running if s["left"] == 0]
         budget -= len(decoding)
-        chunks, prompt_tokens = [], 0
+        chunks, prompt_tokens, prompt_sq = [], 0, 0
         for s in running:
             if s["left"] and budget > 0:
                 take = int(min(s["left"], budget))
                 chunks.append((s, take))
                 prompt_tokens += take
+                before = max(1, len(s["req"].prompt_ids)) - s["left"]  # its prompt tokens already processed
+                prompt_sq += (before + take) ** 2 - before ** 2
                 budget -= take
-        dt = engine.model.step_s(len(decoding), ctx_decoding, prompt_tokens)
+        dt = engine.model.step_s(len(decoding), ctx_decoding, prompt_tokens, prompt_sq)
         sigma = engine.model.noise_sigma
         if sigma > 0:
             dt *= rng.lognormvariate(-sigma * sigma / 2.0, sigma)
@@ -307,7 +309,7 @@ def plain_run(engine: SimulatedEngine, reqs: list[Request], rng, concurrency: in
 
 def test_the_counted_engine_serves_exactly_as_the_per_request_simulation() -> None:
     """Open and closed loops, noise, per-batch tables, KV limits (rejections and blocking), token budgets that chunk
-    prompts, early stops and time-outs, runs back to back on one engine: every request's figures (TTFT, E2E, each
+    prompts (and price their chunks' attention pairs), mixed steps, early stops and time-outs, runs back to back on one engine: every request's figures (TTFT, E2E, each
     gap, tokens, errors), the run's duration, the clock and the step count are the old per-request simulation's, to
     the last bit (same steps in the same order, same noise draws)."""
     import dataclasses
@@ -318,7 +320,9 @@ def test_the_counted_engine_serves_exactly_as_the_per_request_simulation() -> No
         model = StepModel(decode_base_s=rng.choice([0.0, 0.01]), decode_per_seq_s=0.002,
                           decode_per_context_token_s=rng.choice([0.0, 2e-6]), prefill_base_s=0.003,
                           prefill_per_token_s=1e-4, noise_sigma=rng.choice([0.0, 0.2]),
-                          decode_by_batch_s=rng.choice([(), ((1, 0.005), (2, 0.012), (4, 0.03))]))
+                          decode_by_batch_s=rng.choice([(), ((1, 0.005), (2, 0.012), (4, 0.03))]),
+                          prefill_per_token_sq_s=rng.choice([0.0, 3e-7]), mixed=rng.choice([False, True]),
+                          mixed_base_s=0.001, mixed_per_token_s=5e-5, mixed_per_token_sq_s=rng.choice([0.0, 1e-7]))
         cap = rng.choice([1, 2, 4, 8])
         settings = {"kv_tokens": rng.choice([None, 400, 2000]), "token_budget": rng.choice([None, 2048, 64, cap])}
         fast, plain = (SimulatedEngine(model, cap, seed=case, **settings) for _ in range(2))
@@ -460,3 +464,14 @@ def test_a_tail_slo_capacity_search_on_a_measured_profile_is_the_per_request_sim
         r.pop("host", None)
     assert got == want
     assert (fast.now, fast.steps) == (plain.engine.now, plain.engine.steps)
+
+
+def test_a_chunked_prompt_pays_the_step_base_per_chunk_and_its_attention_once() -> None:
+    # a lone 384-token prompt through a 128-token step budget: 3 steps, each with the prefill base; the attention
+    # pairs of the chunks (128^2, 256^2 - 128^2, 384^2 - 256^2) add up to the whole prompt's 384^2
+    model = StepModel(decode_base_s=0.01, prefill_base_s=0.005, prefill_per_token_s=1e-4, prefill_per_token_sq_s=1e-6)
+    whole = SimulatedEngine(model, 1).run([Request(0, "", tuple(range(384)), 1, None)], concurrency=1)
+    chunked = SimulatedEngine(model, 1, token_budget=128).run([Request(0, "", tuple(range(384)), 1, None)],
+                                                              concurrency=1)
+    assert whole.results[0].ttft_ms == pytest.approx(model.prefill_s(384) * 1e3)
+    assert chunked.results[0].ttft_ms == pytest.approx((model.prefill_s(384) + 2 * (0.01 + 0.005)) * 1e3)

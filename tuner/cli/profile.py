@@ -54,12 +54,14 @@ def format_profile(p: dict[str, Any]) -> str:
              f"ms, {fit['decode']['relative_rmse']:.0%}, n={fit['decode']['n']}); step noise sigma "
              f"{m['noise_sigma']:.2f}",
              f"  prefill alone = {(m['decode_base_s'] + m['prefill_base_s']) * 1e3:.1f} ms + "
-             f"{m['prefill_per_token_s'] * 1e3:.3f} ms/prompt token (RMSE {fit['prefill']['rmse_s'] * 1e3:.1f} ms, "
+             f"{m['prefill_per_token_s'] * 1e3:.3f} ms/prompt token + "
+             f"{m.get('prefill_per_token_sq_s', 0.0) * 1e6:.3f} us/prompt token^2 (RMSE {fit['prefill']['rmse_s'] * 1e3:.1f} ms, "
              f"{fit['prefill']['relative_rmse']:.0%}, n={fit['prefill']['n']})"]
     if m.get("mixed"):
         mixed = fit["mixed"]
         lines.append(f"  a prompt joining running decodes adds {m['mixed_base_s'] * 1e3:.1f} ms + "
-                     f"{m['mixed_per_token_s'] * 1e3:.3f} ms/prompt token to their step (RMSE "
+                     f"{m['mixed_per_token_s'] * 1e3:.3f} ms/prompt token + "
+                     f"{m.get('mixed_per_token_sq_s', 0.0) * 1e6:.3f} us/prompt token^2 to their step (RMSE "
                      f"{mixed['rmse_s'] * 1e3:.1f} ms, n={mixed['n']})")
     kv = (p.get("engine") or {}).get("kv")
     if kv:

@@ -4,9 +4,11 @@ Decode samples are (running sequences k, their context tokens summed, seconds pe
 step = t_k + c * context_tokens: one base time per batch size measured (the `decode_by_batch_s` table; engines are
 not linear in k: llama-server -t 1's step at 2 sequences took 3.7x its step at 1 on the shared 2-core host) and one context slope.
 Prefill samples are (prompt tokens, TTFT seconds of a request alone on an idle engine) and fit
-ttft = d + e * tokens (prefill_base_s, prefill_per_token_s). Mixed samples are steps where prompts joined running
+ttft = d + e * tokens + f * tokens^2 (prefill_base_s, prefill_per_token_s, prefill_per_token_sq_s: attention over
+the prompt; llama-server with a q8_0 KV cache took 20, 76, 280 and 790 ms for 16, 64, 192 and 384 tokens, a line
+through them 45% high at 96). Mixed samples are steps where prompts joined running
 decodes (running sequences, their context, the prompt tokens, seconds); what each took beyond the fitted decode step
-fits mixed_base_s + mixed_per_token_s * tokens (a lone prompt's TTFT also holds what an idle engine spends before
+fits mixed_base_s + mixed_per_token_s * tokens + mixed_per_token_sq_s * tokens^2 (a lone prompt's TTFT also holds what an idle engine spends before
 its first step, which a prompt joining a running batch does not pay). Both by non-negative least squares (a step cannot get
 faster with more work); the residuals are kept. The step-time noise is the robust spread (1.4826 x MAD) of
 log(observed gap / fitted step) over every raw decoding gap. Pure functions of the samples.
@@ -53,11 +55,18 @@ def decode_model(coef: Sequence[float], ks: Sequence[int]) -> tuple[tuple[tuple[
 
 
 def prefill_rows(samples: Sequence[dict[str, Any]]) -> tuple[list[list[float]], list[float]]:
-    return [[1.0, float(s["prompt_tokens"])] for s in samples], [s["ttft_s"] for s in samples]
+    """A base, the prompt tokens, and their square (attention over the prompt)."""
+    return ([[1.0, float(s["prompt_tokens"]), float(s["prompt_tokens"]) ** 2] for s in samples],
+            [s["ttft_s"] for s in samples])
+
+
+def prompt_sq(s: dict[str, Any]) -> float:
+    """A mixed sample's attention pairs: the squares of its prompts summed (one prompt: its tokens squared)."""
+    return float(s.get("prompt_sq", float(s["prompt_tokens"]) ** 2))
 
 
 def mixed_rows(samples: Sequence[dict[str, Any]]) -> list[list[float]]:
-    return [[1.0, float(s["prompt_tokens"])] for s in samples]
+    return [[1.0, float(s["prompt_tokens"]), prompt_sq(s)] for s in samples]
 
 
 def mixed_extras(samples: Sequence[dict[str, Any]], ym: Sequence[float], model: StepModel) -> list[float]:
@@ -107,7 +116,7 @@ def fit_step_model(decode: Sequence[dict[str, Any]], prefill: Sequence[dict[str,
 
 
 def mixed_step_s(model: StepModel, s: dict[str, Any]) -> float:
-    return model.step_s(int(s["seqs"]), s["context_tokens"], int(s["prompt_tokens"]))
+    return model.step_s(int(s["seqs"]), s["context_tokens"], int(s["prompt_tokens"]), prompt_sq(s))
 
 
 def refit(decode: Sequence[dict[str, Any]], prefill: Sequence[dict[str, Any]], yd: Sequence[float],
@@ -118,13 +127,14 @@ def refit(decode: Sequence[dict[str, Any]], prefill: Sequence[dict[str, Any]], y
     xd, _ = decode_rows(decode)
     xp, _ = prefill_rows(prefill)
     table, c = decode_model(nnls_fit(xd, yd), batch_sizes(decode))
-    d, e = nnls_fit(xp, yp)
+    d, e, f = nnls_fit(xp, yp)
     model = StepModel(decode_base_s=0.0, decode_per_context_token_s=c, prefill_base_s=d, prefill_per_token_s=e,
-                      noise_sigma=sigma, decode_by_batch_s=table)
+                      prefill_per_token_sq_s=f, noise_sigma=sigma, decode_by_batch_s=table)
     if not mixed:
         return model
-    mb, mt = nnls_fit(mixed_rows(mixed), mixed_extras(mixed, ym, model))
-    return StepModel(**{**model.to_dict(), "mixed_base_s": mb, "mixed_per_token_s": mt, "mixed": True})
+    mb, mt, mf = nnls_fit(mixed_rows(mixed), mixed_extras(mixed, ym, model))
+    return StepModel(**{**model.to_dict(), "mixed_base_s": mb, "mixed_per_token_s": mt, "mixed_per_token_sq_s": mf,
+                        "mixed": True})
 
 
 def bootstrap_models(decode: Sequence[dict[str, Any]], prefill: Sequence[dict[str, Any]], model: StepModel,

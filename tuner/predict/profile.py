@@ -55,7 +55,7 @@ from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
 
-VERSION = 3  # 2: a decode step time per batch size measured; 3: mixed steps (a prompt joining running decodes)
+VERSION = 4  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -362,7 +362,7 @@ def mixed_steps(results: list[Any], k: int) -> list[dict[str, Any]]:
         ends.append(row)
     all_decoding = max(r.send_s + r.ttft_ms / 1e3 for r in decodes)
     first_end = min(r.send_s + r.e2e_ms / 1e3 for r in decodes)
-    steps: dict[tuple[int, ...], int] = {}
+    steps: dict[tuple[int, ...], list[int]] = {}  # the decodes' gap indices -> the prompts ending with them
     for r in results:
         if r.index < k or not r.ok or r.ttft_ms is None:
             continue
@@ -376,9 +376,9 @@ def mixed_steps(results: list[Any], k: int) -> list[dict[str, Any]]:
         else:
             starts = [ends[i][j] - decodes[i].itl_ms[j] / 1e3 for i, j in enumerate(at)]
             if min(starts) >= all_decoding - 1e-6 and first <= first_end + 1e-6:
-                steps[tuple(at)] = steps.get(tuple(at), 0) + r.prompt_tokens
+                steps.setdefault(tuple(at), []).append(r.prompt_tokens)
     return [{"seqs": k, "context_tokens": sum(d.prompt_tokens + j + 1 for d, j in zip(decodes, at)),
-             "prompt_tokens": tokens,
+             "prompt_tokens": sum(tokens), "prompt_sq": sum(p * p for p in tokens),
              "step_s": statistics.median(d.itl_ms[j] for d, j in zip(decodes, at)) / 1e3, "n": k}
             for at, tokens in steps.items()]
 

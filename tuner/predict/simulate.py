@@ -49,11 +49,14 @@ class StepModel:
     """Seconds one engine step takes. `decode_s(batch, context_tokens)` = a + b*batch + c*context_tokens (the
     decoding sequences and the context they attend to, summed), or with `decode_by_batch_s` ((batch, seconds), ...
     measured per batch size) that table interpolated linearly in the batch (extended with its last slope) plus
-    c*context_tokens; a step holding prompt tokens adds prefill_base_s + prefill_per_token_s * tokens, so a prompt
-    alone on an idle engine costs `prefill_s(tokens)` = a + prefill_base_s + prefill_per_token_s * tokens.
+    c*context_tokens; a step holding prompt tokens adds prefill_base_s + prefill_per_token_s * tokens +
+    prefill_per_token_sq_s * pairs (attention over the prompt: a whole prompt of p tokens is p^2 pairs, a chunk the
+    pairs it adds), so a prompt alone on an idle engine costs `prefill_s(tokens)` = a + prefill_base_s +
+    prefill_per_token_s * tokens + prefill_per_token_sq_s * tokens^2.
     `noise_sigma`: each step's time is multiplied by a lognormal factor of mean 1 and this log-standard deviation
     (0: constant).
-    `mixed`: the profile measured steps where a prompt joins running decodes (`mixed_base_s`, `mixed_per_token_s`:
+    `mixed`: the profile measured steps where a prompt joins running decodes (`mixed_base_s`, `mixed_per_token_s`,
+    `mixed_per_token_sq_s`:
     what a step holding prompt tokens costs beyond the decodes' own step when at least one sequence decodes in it);
     without it (a profile older than version 3) such a step costs the decodes plus a lone prompt's time."""
 
@@ -67,10 +70,13 @@ class StepModel:
     mixed_base_s: float = 0.0
     mixed_per_token_s: float = 0.0
     mixed: bool = False
+    prefill_per_token_sq_s: float = 0.0
+    mixed_per_token_sq_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("decode_base_s", "decode_per_seq_s", "decode_per_context_token_s", "prefill_base_s",
-                     "prefill_per_token_s", "noise_sigma", "mixed_base_s", "mixed_per_token_s"):
+                     "prefill_per_token_s", "noise_sigma", "mixed_base_s", "mixed_per_token_s",
+                     "prefill_per_token_sq_s", "mixed_per_token_sq_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise TunerError(f"step model {name}={v!r} is invalid: expected a finite number >= 0")
@@ -101,23 +107,30 @@ class StepModel:
     def prefill_s(self, tokens: int) -> float:
         return self.step_s(0, 0, tokens)
 
-    def step_s(self, batch: int, context_tokens: int, prompt_tokens: int) -> float:
-        """One step: `batch` decoding sequences over `context_tokens` in all, and `prompt_tokens` of prompts."""
+    def step_s(self, batch: int, context_tokens: int, prompt_tokens: int, prompt_sq: float | None = None) -> float:
+        """One step: `batch` decoding sequences over `context_tokens` in all, and `prompt_tokens` of prompts
+        (`prompt_sq`: their attention's token pairs, `pairs`; None: one whole prompt, prompt_tokens squared)."""
         t = self.decode_s(batch, context_tokens)
         if prompt_tokens:
-            t += self.prompt_s(batch, prompt_tokens)
+            t += self.prompt_s(batch, prompt_tokens, prompt_tokens * prompt_tokens if prompt_sq is None else prompt_sq)
         return t
 
-    def prompt_s(self, batch: int, prompt_tokens: int) -> float:
-        """What `prompt_tokens` of prompts add to a step of `batch` decoding sequences."""
+    def prompt_s(self, batch: int, prompt_tokens: int, prompt_sq: float) -> float:
+        """What `prompt_tokens` of prompts (attention pairs `prompt_sq`) add to a step of `batch` decoding sequences."""
         if batch and self.mixed:
-            return self.mixed_base_s + self.mixed_per_token_s * prompt_tokens
-        return self.prefill_base_s + self.prefill_per_token_s * prompt_tokens
+            return self.mixed_base_s + self.mixed_per_token_s * prompt_tokens + self.mixed_per_token_sq_s * prompt_sq
+        return self.prefill_base_s + self.prefill_per_token_s * prompt_tokens + self.prefill_per_token_sq_s * prompt_sq
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["decode_by_batch_s"] = [list(kt) for kt in self.decode_by_batch_s]
         return d
+
+
+def pairs(done: int, take: int) -> int:
+    """The attention work of a prompt chunk of `take` tokens after `done` of its prompt, in units where a whole
+    prompt of p tokens is p squared (each token attends to those before it: (done + take)^2 - done^2)."""
+    return (done + take) ** 2 - done * done
 
 
 class _Seq:
@@ -223,6 +236,8 @@ class SimulatedEngine:
         batch_times = self.batch_times
         per_ctx, pre_base, pre_tok = model.decode_per_context_token_s, model.prefill_base_s, model.prefill_per_token_s
         mixed, mix_base, mix_tok = model.mixed, model.mixed_base_s, model.mixed_per_token_s
+        pre_sq, mix_sq = model.prefill_per_token_sq_s, model.mixed_per_token_sq_s
+        quadratic = pre_sq > 0 or mix_sq > 0
         noise = self.noise
         draw = noise.next if noise is not None else None
         budget_cap = self.token_budget
@@ -316,6 +331,7 @@ class SimulatedEngine:
                     continue
             # one step: decodes first, then prompt tokens (whole, or what the token budget leaves)
             prompt_tokens = 0
+            prompt_sq = 0  # the attention pairs of this step's prompt chunks (`pairs`), when the model prices them
             chunks: list[tuple[_Seq, int]] = []
             if prefilling:
                 budget = math.inf if budget_cap is None else budget_cap - decoding
@@ -325,10 +341,13 @@ class SimulatedEngine:
                     take = int(min(s.prompt_left, budget))
                     chunks.append((s, take))
                     prompt_tokens += take
+                    if quadratic:
+                        prompt_sq += pairs(max(1, s.plen) - s.prompt_left, take)
                     budget -= take
             dt = batch_times[decoding] + per_ctx * ctx_decoding
             if prompt_tokens:
-                dt += (mix_base + mix_tok * prompt_tokens) if mixed and decoding else pre_base + pre_tok * prompt_tokens
+                dt += ((mix_base + mix_tok * prompt_tokens + mix_sq * prompt_sq) if mixed and decoding
+                       else pre_base + pre_tok * prompt_tokens + pre_sq * prompt_sq)
             if draw is not None:
                 dt *= draw()
             self.steps += 1
