@@ -57,6 +57,21 @@ def test_a_censored_record_widens_the_band_down_to_its_bound_not_to_zero(monkeyp
     assert lo2 == 1.0
 
 
+def test_a_re_measured_profile_starts_its_history_anew(monkeypatch, tmp_path) -> None:
+    """A profile measured again keeps its id (same engine, model, format, host): the records that judged its earlier
+    measurement (here a +400% miss) are not read for it, so they no longer widen its bands; its own records are."""
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path))
+    miss = cal.entry("p", {}, [], {}, PREDICTED, BAND, {"requests_per_s": 0.4, "requests_per_s_ci": [0.4, 0.5]}, "t")
+    cal.record("p", {**miss, "at": "2026-01-01T00:00:00+00:00"})
+    met = cal.entry("p", {}, [], {}, PREDICTED, BAND, {"requests_per_s": 1.8, "requests_per_s_ci": [1.8, 2.2]}, "t")
+    cal.record("p", met)
+    assert len(cal.read_history("p")) == 2  # without the profile's date: every record
+    history = cal.read_history("p", since="2026-06-01T00:00:00+00:00")
+    assert [r["ratio"] for r in history] == [pytest.approx(0.9)]
+    assert cal.widen(3.0, [2.7, 3.3], history)[0][0] == pytest.approx(2.7)  # the old miss no longer reaches 0.6
+    assert cal.widen(3.0, [2.7, 3.3], cal.read_history("p"))[0][0] == pytest.approx(0.6)
+
+
 def test_an_old_record_of_a_zero_ratio_is_read_as_censored(monkeypatch, tmp_path) -> None:
     """History written before censoring (ratio 0, error null) is read as the censored record it is; one that kept
     no bound is dropped (it says nothing about the ratio)."""

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     result = predict(profile, config, pool, options, replicates=args.replicates, seed=spec.seed, rates=args.at_rate,
                      shares=args.at_share, requests_at=lambda r: bench_requests(config, spec, tokenizer, r),
                      speed_drift=SPEED_DRIFT if args.speed_drift is None else args.speed_drift,
-                     history=read_history(profile["id"]))
+                     history=read_history(profile["id"], since=profile.get("measured_at")))
     result["predict_s"], result["predict_cpu_s"] = time.perf_counter() - t, time.process_time() - cpu
     result = {"predicted": True, "config": config.to_dict(), "workload": spec.to_dict(), **result,
               "profile_path": profile.get("path"), "profile_cached": profile.get("cached")}

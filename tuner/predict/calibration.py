@@ -35,15 +35,19 @@ def history_path(profile_id: str) -> Path:
     return profiles_dir() / f"{profile_id}.calibration.jsonl"
 
 
-def read_history(profile_id: str) -> list[dict[str, Any]]:
+def read_history(profile_id: str, since: str | None = None) -> list[dict[str, Any]]:
     """The records of this profile, oldest first (unreadable lines skipped: a torn last line of a killed writer; an
-    old record of a measured 0 read as censored, `censor_old`)."""
+    old record of a measured 0 read as censored, `censor_old`). `since`: the profile's `measured_at`; records made
+    before it judged an earlier measurement of the profile (the same id: same engine, model, format and host) and are
+    not read (a re-measured profile starts its history anew)."""
     path = history_path(profile_id)
     out = []
     for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
         try:
             rec = json.loads(line)
         except ValueError:
+            continue
+        if isinstance(rec, dict) and since and isinstance(rec.get("at"), str) and rec["at"] < since:
             continue
         rec = censor_old(rec) if isinstance(rec, dict) else None
         if rec is not None and (is_number(rec.get("ratio")) or is_number(rec.get("ratio_upper"))):

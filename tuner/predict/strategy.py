@@ -317,7 +317,8 @@ class PredictStrategy:
             if cached is None:
                 spent_s, measured, longest_s = spent_s + took, measured + 1, max(longest_s if measured else 0, took)
             self.profiles[describe_format(fmt)] = {"id": profile["id"], "cached": cached is not None,
-                                                   "batch_cap": profile["batch_cap"], "profile_s": took}
+                                                   "batch_cap": profile["batch_cap"], "profile_s": took,
+                                                   "measured_at": profile.get("measured_at")}
             if cached is None:  # why it was measured (another host or build's profile not reused, ...)
                 self.notes += [f"profile of {describe_format(fmt)}: {n}" for n in profile.get("notes") or []]
             profiled.append((members, profile))
@@ -460,7 +461,8 @@ class PredictStrategy:
         from tuner.predict.estimate import predict
 
         done: dict[tuple[str | None, int], tuple[tuple[float, float] | None, list[str]]] = {}
-        histories = {pid: read_history(pid) for pid in {p.profile for p in self.predictions} if pid}
+        since = {v["id"]: v.get("measured_at") for v in self.profiles.values()}
+        histories = {pid: read_history(pid, since.get(pid)) for pid in {p.profile for p in self.predictions} if pid}
         spent = 0.0
         for p in self.predictions:
             k = (p.profile, p.config["batch_cap"])
