@@ -110,7 +110,9 @@ def canary():
     workload's lengths), 9 tokens out, one at a time on a second, idle transformers engine of the same format (cap
     1). Like with like: every reading comes from an engine that has just served (one request thrown away first), as
     the first did. (Medians of 3 96-token prompts with nothing thrown away moved 27% on a quiet host while all six
-    bands held: ITL 40-42 ms throughout, TTFT 179, 184, 186, then 228 ms after the second bench run.)"""
+    bands held: ITL 40-42 ms throughout, TTFT 179, 184, 186, then 228 ms after the second bench run; medians of 5
+    thrown-away-first still moved 24-26% quiet, TTFT 110-139 ms, ITL 40-44 ms: the test judges the host by the
+    ITL, the engine's own step speed, and prints both.)"""
     import random
 
     from tuner.engines.registry import backend
@@ -180,11 +182,12 @@ def test_the_profiled_model_predicts_the_real_engine_at_two_rates(tmp_path: Path
                          m_lo or 0.0, m_hi or float("inf")))
     report = "; ".join(f"{r:.3f} req/s {what}: predicted {p:.0f} ms [{lo:.0f}, {hi:.0f}], measured {m:.0f} ms "
                        f"(95% CI [{m_lo:.0f}, {m_hi:.0f}], n=24)" for r, what, p, lo, hi, m, m_lo, m_hi in rows)
-    moved = max(max(xs) / min(xs) - 1 for xs in zip(*speeds))
+    itl = [i for _, i in speeds]  # the engine's speed: its decode gaps (an idle engine's TTFT also holds its
+    moved = max(itl) / min(itl) - 1  # generation loop waking up: 110-139 ms quiet while the gaps held 40-44 ms)
     report += (f"; profile took {profile['cost_s']['total']:.0f} s; engine canary (TTFT, ITL p50) "
-               f"{', '.join(f'({t:.0f}, {i:.1f})' for t, i in speeds)} ms (moved {moved:.0%})")
+               f"{', '.join(f'({t:.0f}, {i:.1f})' for t, i in speeds)} ms (ITL moved {moved:.0%})")
     print(report)
     if moved > SPEED_DRIFT:  # the host, not the model, would decide the comparison: no verdict
-        pytest.skip(f"indeterminate: the engine's own speed moved {moved:.0%} during the test ({report})")
+        pytest.skip(f"indeterminate: the engine's own decode speed moved {moved:.0%} during the test ({report})")
     for _r, _what, _p, lo, hi, _m, m_lo, m_hi in rows:
         assert m_lo <= hi and m_hi >= lo, report  # the measured interval meets the predicted band
