@@ -75,7 +75,8 @@ def mixed_extras(samples: Sequence[dict[str, Any]], ym: Sequence[float], model: 
 
 
 def fits_mixed(samples: Sequence[dict[str, Any]]) -> bool:
-    """Enough mixed steps to fit a base and a slope: 3 or more, at 2 or more prompt lengths."""
+    """Enough mixed steps to fit: 3 or more, at 2 or more prompt lengths (with 2 the square is not identified and
+    NNLS keeps a fit through them)."""
     return len(samples) >= 3 and len({s["prompt_tokens"] for s in samples}) >= 2
 
 
