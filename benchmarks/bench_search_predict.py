@@ -41,19 +41,49 @@ GOAL_SHARE = 0.95
 GOAL_MEDIAN = 3
 
 
+def grid_space_file(data: dict[str, Any], path: Path) -> Path:
+    """The grid's own configurations as a search-space file: bench_search.py's space for its grid; for a grid written
+    by bench_predict_accuracy.py --write-grid (it names its workload) the quant x batch cap of its rows, baseline the
+    first format at its smallest cap (the engine default of bench_search's grid: fp32 at the smallest cap)."""
+    from bench_search import space_file
+
+    if "workload" not in data:
+        return space_file(path)
+    knobs = [r["knobs"] for r in data["rows"]]
+    quants = list(dict.fromkeys(k["quant"] for k in knobs))
+    caps = sorted({k["batch_cap"] for k in knobs})
+    kvs = sorted({k["kv_fraction"] for k in knobs})
+    baseline = {"quant": quants[0], "batch_cap": caps[0], "draft": "none", "kv_fraction": kvs[0]}
+    path.write_text("knobs:\n"
+                    f"  quant: {{choices: {json.dumps(quants)}}}\n"
+                    f"  batch_cap: {{choices: {json.dumps(caps)}, increasing: true}}\n"
+                    f"  kv_fraction: {{choices: {json.dumps(kvs)}}}\n"
+                    f"baseline: {json.dumps(baseline)}\n")
+    return path
+
+
 def context(data: dict[str, Any], space_path: Path, engine: str) -> Any:
-    """The search's context for the grid: its space (engine set), SLO, workload and capacity settings."""
+    """The search's context for the grid: its space (engine set), SLO, workload and capacity settings (a grid that
+    names its own, bench_predict_accuracy.py --write-grid's, is predicted with them, probe sizes included: they are
+    the ones its capacities were measured with)."""
     from dataclasses import replace
 
     from bench_search import search_context
 
     from tuner.measure.workload import WorkloadSpec
+    from tuner.slo import parse_duration_s
 
     text = space_path.read_text()
     space_path.write_text(f"engine: {engine}\n{text}")
     from tuner.measure.capacity import probe_requests_for
 
     ctx = search_context(data, space_path)
+    if "workload" in data:
+        w, c = data["workload"], data["capacity_settings"]
+        return replace(ctx, device=GRID_DEVICE, workload=WorkloadSpec(
+            requests=48, input_len=tuple(w["input_len"]), output_len=tuple(w["output_len"]), seed=w["seed"]),
+            probe_requests=tuple(c["probe_requests"]), max_probes=c["max_probes"],
+            capacity_timeout_s=parse_duration_s(c["capacity_timeout"], "capacity_timeout"))
     probes = probe_requests_for(ctx.slo, GRID_CAPACITY["max_probes"], None)
     return replace(ctx, device=GRID_DEVICE, workload=WorkloadSpec(requests=48, **GRID_WORKLOAD), probe_requests=probes,
                    **GRID_CAPACITY)
@@ -115,7 +145,7 @@ def main() -> int:
     ap.add_argument("--max-quality-drop", type=float, default=5.0)
     ap.add_argument("--json", help="write the per-seed figures here")
     args = ap.parse_args()
-    from bench_search import feasible_capacity, space_file
+    from bench_search import feasible_capacity
 
     from tuner.engines.registry import backend, names, spoken
 
@@ -127,7 +157,7 @@ def main() -> int:
     data = json.loads(Path(args.grid).read_text())
     data["max_quality_drop"] = args.max_quality_drop
     with tempfile.TemporaryDirectory() as d:
-        ctx = context(data, space_file(Path(d) / "space.yaml"), args.engine)
+        ctx = context(data, grid_space_file(data, Path(d) / "space.yaml"), args.engine)
     best = max(feasible_capacity(r, data, ctx) for r in data["rows"])
     if best <= 0:
         print("no feasible configuration in the grid: nothing to reach", file=sys.stderr)

@@ -52,6 +52,36 @@ def test_continuous_batching_bench():
     assert lo <= m["e2e_ms"]["p50"] <= hi
 
 
+THREADS = ("import sys, torch\n"
+           "def threads(): return int([l for l in open('/proc/self/status') if l.startswith('Threads')][0].split()[1])\n"
+           "before = threads()\n"
+           "from tuner.measure.bench import memory_bandwidth\n"
+           "from tuner.measure.roofline import measure_bandwidth_gbs\n"
+           "gbs = memory_bandwidth() if sys.argv[1] == 'harness' else measure_bandwidth_gbs(size_mb=256, repeats=9)\n"
+           "print(gbs, before, threads())\n")
+
+
+def test_the_bandwidth_probe_starts_no_thread_in_the_serving_process():
+    """`tuner bench --capacity` measures the host's memory bandwidth before the engine starts; measured in the
+    serving process, torch's intra-op thread pool it starts stays, and an in-process engine's generation thread then
+    shares the cores with it for the whole measurement (transformers bf16 cap 4 saturated at 3.2 req/s instead of
+    4.1-4.5, its canary's gaps 42 ms instead of 26-31). The harness measures it in a child: a fresh process (torch
+    imported, no op run) has as many threads after it as before; the same figure measured in-process adds them."""
+    import subprocess
+    import sys
+
+    import torch
+
+    runs = {how: subprocess.run([sys.executable, "-c", THREADS, how], capture_output=True, text=True, timeout=300,
+                                check=True).stdout.split() for how in ("harness", "in-process")}
+    gbs, before, after = runs["harness"]
+    assert float(gbs) > 1 and int(after) == int(before)
+    gbs, before, after = runs["in-process"]
+    assert float(gbs) > 1
+    if torch.get_num_threads() > 1:  # the hazard the child avoids: a pool of intra-op threads left running
+        assert int(after) > int(before)
+
+
 def test_capacity_on_the_real_engine(tmp_path):
     """`tuner bench --capacity` end to end on smollm2 (a small probe budget): the interface the search reads."""
     path = tmp_path / "cap.json"

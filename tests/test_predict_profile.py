@@ -58,6 +58,58 @@ def test_the_protocol_recovers_what_a_prompt_joining_running_decodes_costs() -> 
     assert all(b.mixed for b in boots)
 
 
+def test_a_context_slope_per_batch_size_is_fitted_only_where_the_samples_reject_one_shared_slope() -> None:
+    # transformers' continuous batching on CPU: 8 sequences of long contexts cost 3.5x 8 of short ones, 4 sequences
+    # hardly more; one slope through both put the 4-sequence step below every sample of it (tuner.predict.fit)
+    truth = StepModel(**{**TRUTH.to_dict(), "noise_sigma": 0.03,
+                         "decode_by_batch_s": ((1, 0.040), (2, 0.070), (4, 0.066), (8, 0.038)),
+                         "decode_ctx_by_batch_s": ((1, 8e-6), (2, 1.4e-5), (4, 6e-6), (8, 7e-5))})
+    s = profile_samples(truth, batch_cap=8, seed=3)
+    model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
+    assert fit["context_slope"]["per_batch"] and fit["context_slope"]["shared_slope_p"] < 1e-3
+    for k in (1, 2, 4, 8):
+        for ctx in (40 * k, 340 * k):
+            assert model.decode_s(k, ctx) == pytest.approx(truth.decode_s(k, ctx), rel=0.05), (k, ctx)
+    assert model.decode_s(6, 1200) == pytest.approx(truth.decode_s(6, 1200), rel=0.05)  # interpolated both ways
+    boots = bootstrap_models(s["decode"], s["prefill"], model, 3, seed=1)
+    assert all(len(b.decode_ctx_by_batch_s) == 4 for b in boots)  # the resampled fits keep the model's form
+    # the same noise around one shared slope: the shared slope is kept (the F-test does not reject it)
+    shared = StepModel(**{**truth.to_dict(), "decode_ctx_by_batch_s": ()})
+    s = profile_samples(shared, batch_cap=8, seed=3)
+    model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
+    assert not fit["context_slope"]["per_batch"] and model.decode_ctx_by_batch_s == ()
+    assert model.decode_per_context_token_s == pytest.approx(shared.decode_per_context_token_s, rel=0.25)
+
+
+def test_a_profile_fitted_by_older_rules_is_fitted_again_from_its_samples_without_measuring(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tuner.config import TrialConfig
+    from tuner.predict.fit import FIT_VERSION
+
+    monkeypatch.setattr(prof, "profiles_dir", lambda: tmp_path)
+    config = TrialConfig(model="smollm2-135m", engine="llamacpp", quant="Q8_0", batch_cap=8)
+    key = prof.profile_key(config)
+    truth = StepModel(**{**TRUTH.to_dict(), "decode_by_batch_s": ((1, 0.040), (2, 0.070), (4, 0.066), (8, 0.038)),
+                         "decode_ctx_by_batch_s": ((1, 8e-6), (2, 1.4e-5), (4, 6e-6), (8, 7e-5))})
+    s = profile_samples(truth, batch_cap=8)
+    old = {"decode_base_s": 0.0, "decode_per_context_token_s": 5.5e-5, "noise_sigma": 0.27,
+           "decode_by_batch_s": [[1, 0.031], [2, 0.054], [4, 0.029], [8, 0.062]]}  # one slope: what v1 fitted
+    path = tmp_path / f"{prof.profile_id(key)}.json"
+    path.write_text(json.dumps({"version": prof.VERSION, "id": prof.profile_id(key), "key": key,
+                                "measured_at": "2026-12-06T03:01:25+00:00", "batch_cap": 8, "ranges": {},
+                                "fit": {"model": old}, "samples": s, "notes": []}))
+    monkeypatch.setattr(prof, "measure_profile", lambda *a, **k: pytest.fail("a refit needs no measurement"))
+    got = prof.load_or_measure(config, 8)
+    assert got["cached"] is True and got["fit"]["fit_version"] == FIT_VERSION
+    assert prof.history_since(got) == got["fitted_at"] > got["measured_at"]
+    assert any("fitted again from its stored samples" in n for n in got["notes"])
+    model = prof.step_model(got)
+    assert model.decode_s(4, 600) == pytest.approx(truth.decode_s(4, 600), rel=1e-3)  # the old fit: 62 ms of 70
+    written = json.loads(path.read_text())  # kept fitted: the next read is a plain read
+    assert written["fit"]["fit_version"] == FIT_VERSION and "refitted" not in written
+    assert prof.read_profile(path)["fitted_at"] == written["fitted_at"]
+
+
 def test_a_cap_of_one_measures_no_mixed_step() -> None:
     s = profile_samples(TRUTH, batch_cap=1)
     assert s["mixed"] == [] and not fit_step_model(s["decode"], s["prefill"], s["gaps"], s["mixed"])[0].mixed

@@ -308,7 +308,7 @@ def plain_run(engine: SimulatedEngine, reqs: list[Request], rng, concurrency: in
 
 
 def test_the_counted_engine_serves_exactly_as_the_per_request_simulation() -> None:
-    """Open and closed loops, noise, per-batch tables, KV limits (rejections and blocking), token budgets that chunk
+    """Open and closed loops, noise, per-batch tables (step bases and context slopes), KV limits (rejections and blocking), token budgets that chunk
     prompts (and price their chunks' attention pairs), mixed steps, early stops and time-outs, runs back to back on one engine: every request's figures (TTFT, E2E, each
     gap, tokens, errors), the run's duration, the clock and the step count are the old per-request simulation's, to
     the last bit (same steps in the same order, same noise draws)."""
@@ -322,7 +322,8 @@ def test_the_counted_engine_serves_exactly_as_the_per_request_simulation() -> No
                           prefill_per_token_s=1e-4, noise_sigma=rng.choice([0.0, 0.2]),
                           decode_by_batch_s=rng.choice([(), ((1, 0.005), (2, 0.012), (4, 0.03))]),
                           prefill_per_token_sq_s=rng.choice([0.0, 3e-7]), mixed=rng.choice([False, True]),
-                          mixed_base_s=0.001, mixed_per_token_s=5e-5, mixed_per_token_sq_s=rng.choice([0.0, 1e-7]))
+                          mixed_base_s=0.001, mixed_per_token_s=5e-5, mixed_per_token_sq_s=rng.choice([0.0, 1e-7]),
+                          decode_ctx_by_batch_s=rng.choice([(), ((1, 1e-6), (2, 9e-6), (4, 3e-6))]))
         cap = rng.choice([1, 2, 4, 8])
         settings = {"kv_tokens": rng.choice([None, 400, 2000]), "token_budget": rng.choice([None, 2048, 64, cap])}
         fast, plain = (SimulatedEngine(model, cap, seed=case, **settings) for _ in range(2))

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_same(config.to_dict(), slo.to_dict(), spec.to_dict(), bench)
     from tuner.predict.estimate import SPEED_DRIFT, predict
-    from tuner.predict.profile import load_or_measure
+    from tuner.predict.profile import history_since, load_or_measure
 
     def log(s: str) -> None:
         print(s, file=sys.stderr)
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     result = predict(profile, config, pool, options, replicates=args.replicates, seed=spec.seed, rates=args.at_rate,
                      shares=args.at_share, requests_at=lambda r: bench_requests(config, spec, tokenizer, r),
                      speed_drift=SPEED_DRIFT if args.speed_drift is None else args.speed_drift,
-                     history=read_history(profile["id"], since=profile.get("measured_at")))
+                     history=read_history(profile["id"], since=history_since(profile)))
     result["predict_s"], result["predict_cpu_s"] = time.perf_counter() - t, time.process_time() - cpu
     result = {"predicted": True, "config": config.to_dict(), "workload": spec.to_dict(), **result,
               "profile_path": profile.get("path"), "profile_cached": profile.get("cached")}

@@ -44,13 +44,17 @@ def format_profile(p: dict[str, Any]) -> str:
     lines = [f"profile {p['id']} ({'cached' if p.get('cached') else 'measured now'}): {p.get('path')}",
              f"  {key['engine']} {spoken(key['build'])}, model {spoken(key['model'])}, {spoken(key['format'])}, host "
              f"{key['host']['cpu_model']} x{key['host']['cores']}",
-             f"  measured {p.get('measured_at')} at batch cap {p['batch_cap']} (sequences {p['concurrencies']}) in "
+             f"  measured {p.get('measured_at')}" + (f" (fitted again {p['fitted_at']})" if p.get("fitted_at") else "")
+             + f" at batch cap {p['batch_cap']} (sequences {p['concurrencies']}) in "
              f"{cost.get('total', 0):.0f} s (startup {cost.get('startup', 0):.0f}, prefill {cost.get('prefill', 0):.0f}, "
              f"decode {cost.get('decode', 0):.0f}, mixed {cost.get('mixed', 0):.0f})",
              "  decode step = " + (", ".join(f"{t * 1e3:.1f} ms at {k}" for k, t in m["decode_by_batch_s"]) + " sequences"
                                    if m.get("decode_by_batch_s") else f"{m['decode_base_s'] * 1e3:.2f} ms + "
                                    f"{m['decode_per_seq_s'] * 1e3:.3f} ms/sequence")
-             + f" + {m['decode_per_context_token_s'] * 1e6:.3f} us/context token (RMSE {fit['decode']['rmse_s'] * 1e3:.2f} "
+             + (" + " + ", ".join(f"{c * 1e6:.3f} us/context token at {k}" for k, c in m["decode_ctx_by_batch_s"])
+                + f" (a slope per batch size: one shared slope rejected, p = {fit['context_slope']['shared_slope_p']:.1g})"
+                if m.get("decode_ctx_by_batch_s") else f" + {m['decode_per_context_token_s'] * 1e6:.3f} us/context token")
+             + f" (RMSE {fit['decode']['rmse_s'] * 1e3:.2f} "
              f"ms, {fit['decode']['relative_rmse']:.0%}, n={fit['decode']['n']}); step noise sigma "
              f"{m['noise_sigma']:.2f}",
              f"  prefill alone = {(m['decode_base_s'] + m['prefill_base_s']) * 1e3:.1f} ms + "

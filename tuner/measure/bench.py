@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -120,12 +121,25 @@ class PeakMemory:
         return max(self.peak_device, torch.cuda.max_memory_allocated()) / 2**20
 
 
-def memory_bandwidth() -> float:
-    """The host's memory bandwidth now (GB/s): decoding a small model on CPU is bound by it, and a shared host's
-    moves with its other tenants' traffic (by a third within a minute on the 2-core VM this was built on)."""
-    from tuner.measure.roofline import measure_bandwidth_gbs
+BANDWIDTH_CHILD = ("import sys; from tuner.measure.roofline import measure_bandwidth_gbs; "
+                   "print(measure_bandwidth_gbs(size_mb=256, repeats=9))")
 
-    return measure_bandwidth_gbs(size_mb=256, repeats=9)
+
+def memory_bandwidth() -> float | None:
+    """The host's memory bandwidth now (GB/s): decoding a small model on CPU is bound by it, and a shared host's
+    moves with its other tenants' traffic (by a third within a minute on the 2-core VM this was built on). Measured
+    in a child process (None if it fails): measured here, torch's thread pool it starts on this thread stays, and an
+    in-process engine's generation thread then shares the cores with it for the whole run -- transformers bf16 at
+    batch cap 4 saturated at 3.2 req/s instead of 4.5 and its idle canary's gaps went from 26 to 42 ms
+    (`tuner bench --capacity`, same seed, 2026-12-06)."""
+    import subprocess
+
+    try:
+        out = subprocess.run([sys.executable, "-c", BANDWIDTH_CHILD], capture_output=True, text=True, timeout=120,
+                             check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return None
 
 
 def serves_on_host_cpu(config: TrialConfig, device: str) -> bool:

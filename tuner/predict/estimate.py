@@ -46,8 +46,9 @@ SEARCHES_KEPT = 4096  # simulated capacity searches remembered (a whole llama.cp
 def scaled(model: StepModel, factor: float) -> StepModel:
     """`model` with every step `factor` times as long (noise unchanged): the same engine running slower or faster."""
     d = model.to_dict()
-    times = {k: v * factor for k, v in d.items() if k.endswith("_s") and k != "decode_by_batch_s"}
-    return StepModel(**{**d, **times, "decode_by_batch_s": tuple((k, t * factor) for k, t in model.decode_by_batch_s)})
+    tables = ("decode_by_batch_s", "decode_ctx_by_batch_s")
+    times = {k: v * factor for k, v in d.items() if k.endswith("_s") and k not in tables}
+    return StepModel(**{**d, **times, **{k: tuple((b, t * factor) for b, t in getattr(model, k)) for k in tables}})
 
 
 def speed_models(model: StepModel, speed_drift: float) -> list[StepModel]:

@@ -2,7 +2,13 @@
 
 Decode samples are (running sequences k, their context tokens summed, seconds per step) and fit
 step = t_k + c * context_tokens: one base time per batch size measured (the `decode_by_batch_s` table; engines are
-not linear in k: llama-server -t 1's step at 2 sequences took 3.7x its step at 1 on the shared 2-core host) and one context slope.
+not linear in k: llama-server -t 1's step at 2 sequences took 3.7x its step at 1 on the shared 2-core host) and one
+context slope -- or one slope per batch size (`decode_ctx_by_batch_s`) where the samples reject a shared one (an
+F-test at `PER_BATCH_P`, and the residuals' squares cut to under `PER_BATCH_GAIN`; each batch size measured over
+contexts at least `PER_BATCH_SPAN` apart): transformers'
+continuous batching on CPU took 65 ms a step for 8 sequences of ~40 context tokens and 225 ms for 8 of ~340, while
+4 sequences went from 68 to 75 ms; one slope through both put the 4-sequence step at 29 ms, below every sample of it.
+llama-server's and vLLM's samples keep one slope (per-batch slopes cut their RMSE by 0-10%).
 Prefill samples are (prompt tokens, TTFT seconds of a request alone on an idle engine) and fit
 ttft = d + e * tokens + f * tokens^2 (prefill_base_s, prefill_per_token_s, prefill_per_token_sq_s: attention over
 the prompt; llama-server with a q8_0 KV cache took 20, 76, 280 and 790 ms for 16, 64, 192 and 384 tokens, a line
@@ -24,6 +30,8 @@ from typing import Any
 
 from tuner.predict.simulate import StepModel
 
+FIT_VERSION = 2  # the fitting rules' version: a profile fitted by older rules is fitted again from its samples
+
 
 def nnls_fit(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
     """Non-negative least squares, columns scaled to unit norm for the solver's sake."""
@@ -41,17 +49,56 @@ def batch_sizes(samples: Sequence[dict[str, Any]]) -> list[int]:
     return sorted({int(s["seqs"]) for s in samples})
 
 
-def decode_rows(samples: Sequence[dict[str, Any]]) -> tuple[list[list[float]], list[float]]:
-    """One indicator column per batch size measured, then the context tokens."""
+PER_BATCH_P = 0.001  # per-batch context slopes when an F-test rejects one shared slope at this level
+PER_BATCH_SPAN = 2.0  # ... and every batch size's contexts span at least this ratio (its slope is identified)
+PER_BATCH_GAIN = 0.8  # ... and they leave under this share of the shared slope's squared residuals (material)
+
+
+def decode_rows(samples: Sequence[dict[str, Any]], per_batch: bool = False) -> tuple[list[list[float]], list[float]]:
+    """One indicator column per batch size measured, then the context tokens (`per_batch`: one context column per
+    batch size)."""
     ks = batch_sizes(samples)
+    if per_batch:
+        return ([[float(int(s["seqs"]) == k) for k in ks] + [float(int(s["seqs"]) == k) * s["context_tokens"]
+                                                               for k in ks] for s in samples],
+                [s["step_s"] for s in samples])
     return ([[float(int(s["seqs"]) == k) for k in ks] + [float(s["context_tokens"])] for s in samples],
             [s["step_s"] for s in samples])
 
 
-def decode_model(coef: Sequence[float], ks: Sequence[int]) -> tuple[tuple[tuple[int, float], ...], float]:
-    """(the per-batch table, the context slope) from decode coefficients; a batch size fitted to 0 s (all its
-    samples below the context's share) keeps a floor of 1 us, a step never being free."""
-    return tuple((k, max(t, 1e-6)) for k, t in zip(ks, coef)), coef[-1]
+def decode_model(coef: Sequence[float], ks: Sequence[int], per_batch: bool = False
+                 ) -> tuple[tuple[tuple[int, float], ...], float, tuple[tuple[int, float], ...]]:
+    """(the per-batch table, the shared context slope, the per-batch slopes) from decode coefficients; a batch size
+    fitted to 0 s (all its samples below the context's share) keeps a floor of 1 us, a step never being free."""
+    table = tuple((k, max(t, 1e-6)) for k, t in zip(ks, coef))
+    if per_batch:
+        return table, 0.0, tuple(zip(ks, coef[len(ks):]))
+    return table, coef[-1], ()
+
+
+def rss(rows: Sequence[Sequence[float]], y: Sequence[float], coef: Sequence[float]) -> float:
+    return sum((yi - sum(a * b for a, b in zip(r, coef))) ** 2 for r, yi in zip(rows, y))
+
+
+def slopes_per_batch(samples: Sequence[dict[str, Any]]) -> tuple[bool, float | None]:
+    """Whether the decode samples reject one shared context slope (F-test of the per-batch slopes against it at
+    PER_BATCH_P), and its p-value; (False, None) where it cannot be tested: one batch size, a batch size measured
+    over too narrow a context range, or too few samples."""
+    from scipy.stats import f as f_dist
+
+    ks = batch_sizes(samples)
+    ctx = {k: [s["context_tokens"] for s in samples if int(s["seqs"]) == k] for k in ks}
+    n, p0, p1 = len(samples), len(ks) + 1, 2 * len(ks)
+    if len(ks) < 2 or n <= p1 or any(min(c) <= 0 or max(c) < PER_BATCH_SPAN * min(c) for c in ctx.values()):
+        return False, None
+    x0, y = decode_rows(samples)
+    x1, _ = decode_rows(samples, per_batch=True)
+    rss0, rss1 = rss(x0, y, nnls_fit(x0, y)), rss(x1, y, nnls_fit(x1, y))
+    if rss0 <= 1e-12 * sum(v * v for v in y):  # one slope fits to rounding: nothing to test
+        return False, None
+    stat = max(rss0 - rss1, 0.0) / (p1 - p0) / max(rss1 / (n - p1), 1e-300)
+    p = float(f_dist.sf(stat, p1 - p0, n - p1))
+    return p < PER_BATCH_P and rss1 < PER_BATCH_GAIN * rss0, p
 
 
 def prefill_rows(samples: Sequence[dict[str, Any]]) -> tuple[list[list[float]], list[float]]:
@@ -105,14 +152,17 @@ def fit_step_model(decode: Sequence[dict[str, Any]], prefill: Sequence[dict[str,
     joined running decodes (seqs, context tokens, prompt tokens, step seconds), fitted when `fits_mixed`."""
     mixed = mixed if fits_mixed(mixed) else ()
     ym = [s["step_s"] for s in mixed]
-    model = refit(decode, prefill, [s["step_s"] for s in decode], [s["ttft_s"] for s in prefill], 0.0, mixed, ym)
+    per_batch, p_shared = slopes_per_batch(decode)
+    model = refit(decode, prefill, [s["step_s"] for s in decode], [s["ttft_s"] for s in prefill], 0.0, mixed, ym,
+                  per_batch)
     model = StepModel(**{**model.to_dict(), "noise_sigma": step_noise_sigma(raw_gaps, model)})
     yd = [s["step_s"] for s in decode]
     yp = [s["ttft_s"] for s in prefill]
     fit = {"decode": residual_summary(yd, [model.decode_s(int(s["seqs"]), s["context_tokens"]) for s in decode]),
            "prefill": residual_summary(yp, [model.prefill_s(int(s["prompt_tokens"])) for s in prefill]),
            "mixed": residual_summary(ym, [mixed_step_s(model, s) for s in mixed]),
-           "noise_sigma": model.noise_sigma, "model": model.to_dict()}
+           "noise_sigma": model.noise_sigma, "model": model.to_dict(),
+           "context_slope": {"per_batch": per_batch, "shared_slope_p": p_shared}, "fit_version": FIT_VERSION}
     return model, fit
 
 
@@ -122,15 +172,17 @@ def mixed_step_s(model: StepModel, s: dict[str, Any]) -> float:
 
 def refit(decode: Sequence[dict[str, Any]], prefill: Sequence[dict[str, Any]], yd: Sequence[float],
           yp: Sequence[float], sigma: float, mixed: Sequence[dict[str, Any]] = (),
-          ym: Sequence[float] = ()) -> StepModel:
+          ym: Sequence[float] = (), per_batch: bool = False) -> StepModel:
     """The StepModel fitted to the samples' designs with responses `yd` (decode), `yp` (prefill) and `ym` (mixed
-    steps: fitted on what each took beyond the decodes' step this decode fit gives)."""
-    xd, _ = decode_rows(decode)
+    steps: fitted on what each took beyond the decodes' step this decode fit gives); `per_batch`: a context slope
+    per batch size."""
+    xd, _ = decode_rows(decode, per_batch)
     xp, _ = prefill_rows(prefill)
-    table, c = decode_model(nnls_fit(xd, yd), batch_sizes(decode))
+    table, c, slopes = decode_model(nnls_fit(xd, yd), batch_sizes(decode), per_batch)
     d, e, f = nnls_fit(xp, yp)
     model = StepModel(decode_base_s=0.0, decode_per_context_token_s=c, prefill_base_s=d, prefill_per_token_s=e,
-                      prefill_per_token_sq_s=f, noise_sigma=sigma, decode_by_batch_s=table)
+                      prefill_per_token_sq_s=f, noise_sigma=sigma, decode_by_batch_s=table,
+                      decode_ctx_by_batch_s=slopes)
     if not mixed:
         return model
     mb, mt, mf = nnls_fit(mixed_rows(mixed), mixed_extras(mixed, ym, model))
@@ -155,5 +207,5 @@ def bootstrap_models(decode: Sequence[dict[str, Any]], prefill: Sequence[dict[st
         yd = [f + rng.choice(rd) for f in fd]
         yp = [f + rng.choice(rp) for f in fp]
         ym = [f + rng.choice(rm) for f in fm]
-        out.append(refit(decode, prefill, yd, yp, model.noise_sigma, mixed, ym))
+        out.append(refit(decode, prefill, yd, yp, model.noise_sigma, mixed, ym, bool(model.decode_ctx_by_batch_s)))
     return out

@@ -526,11 +526,36 @@ def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], No
 
 
 def read_profile(path: Path) -> dict[str, Any] | None:
+    """A cached profile of this protocol version (None: unreadable or another version), fitted by today's rules."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) and data.get("version") == VERSION and "fit" in data else None
+    return refitted(data) if isinstance(data, dict) and data.get("version") == VERSION and "fit" in data else None
+
+
+def refitted(profile: dict[str, Any]) -> dict[str, Any]:
+    """`profile` fitted again from its stored samples where its fit is of older fitting rules (fit.FIT_VERSION):
+    the samples are the measurement, the fit a function of them, so a better fit needs no new measurement. Its
+    `fitted_at` says when (the calibration history then counts from it: `history_since`) and a note says so."""
+    from tuner.predict.fit import FIT_VERSION
+
+    old = profile["fit"].get("fit_version", 1)
+    samples = profile.get("samples") or {}
+    if old == FIT_VERSION or not samples.get("decode") or not samples.get("prefill"):
+        return profile
+    _, fit = fit_step_model(samples["decode"], samples["prefill"], samples.get("gaps") or (),
+                            samples.get("mixed") or ())
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {**profile, "fit": fit, "fitted_at": now, "refitted": True,
+            "notes": list(profile.get("notes") or []) + [f"fitted again from its stored samples by the fit rules of "
+                                                         f"version {FIT_VERSION} (was {old}) at {now}"]}
+
+
+def history_since(profile: dict[str, Any]) -> str | None:
+    """Where the profile's calibration history starts: its last fit (a refit or a new measurement changes every
+    prediction, so records made against the earlier model no longer say how far this one is off)."""
+    return profile.get("fitted_at") or profile.get("measured_at")
 
 
 KEY_PART_WORDS = {"model": "model hash"}  # other_profiles matches the model's name: what differs is its hash
@@ -573,6 +598,8 @@ def load_or_measure(config: TrialConfig, batch_cap: int, refresh: bool = False,
                      "reused here, measured again")
         cached = None
     if cached is not None:
+        if cached.pop("refitted", False):  # kept fitted: the next read need not fit it again
+            write_json_atomic(path, cached)
         if not refresh and cached["batch_cap"] >= batch_cap:
             return dict(cached, cached=True, path=str(path))
         notes.append("measured again as asked" if refresh else

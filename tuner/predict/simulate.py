@@ -49,7 +49,9 @@ class StepModel:
     """Seconds one engine step takes. `decode_s(batch, context_tokens)` = a + b*batch + c*context_tokens (the
     decoding sequences and the context they attend to, summed), or with `decode_by_batch_s` ((batch, seconds), ...
     measured per batch size) that table interpolated linearly in the batch (extended with its last slope) plus
-    c*context_tokens; a step holding prompt tokens adds prefill_base_s + prefill_per_token_s * tokens +
+    c*context_tokens, c the `decode_ctx_by_batch_s` table's ((batch, seconds per context token), ...: the context's
+    cost per token measured per batch size, where the samples reject one shared slope) interpolated the same way, or
+    else `decode_per_context_token_s`; a step holding prompt tokens adds prefill_base_s + prefill_per_token_s * tokens +
     prefill_per_token_sq_s * pairs (attention over the prompt: a whole prompt of p tokens is p^2 pairs, a chunk the
     pairs it adds), so a prompt alone on an idle engine costs `prefill_s(tokens)` = a + prefill_base_s +
     prefill_per_token_s * tokens + prefill_per_token_sq_s * tokens^2.
@@ -72,6 +74,7 @@ class StepModel:
     mixed: bool = False
     prefill_per_token_sq_s: float = 0.0
     mixed_per_token_sq_s: float = 0.0
+    decode_ctx_by_batch_s: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("decode_base_s", "decode_per_seq_s", "decode_per_context_token_s", "prefill_base_s",
@@ -85,6 +88,11 @@ class StepModel:
         if any(k < 1 or not (math.isfinite(t) and t > 0) for k, t in table) or len({k for k, _ in table}) < len(table):
             raise TunerError(f"step model decode_by_batch_s={self.decode_by_batch_s!r} is invalid: expected distinct "
                              "batch sizes >= 1 with seconds > 0")
+        slopes = tuple(sorted((int(k), float(c)) for k, c in self.decode_ctx_by_batch_s))
+        object.__setattr__(self, "decode_ctx_by_batch_s", slopes)
+        if any(k < 1 or not (math.isfinite(c) and c >= 0) for k, c in slopes) or len({k for k, _ in slopes}) < len(slopes):
+            raise TunerError(f"step model decode_ctx_by_batch_s={slopes!r} is invalid: expected distinct batch sizes "
+                             ">= 1 with seconds per context token >= 0")
         if not table and self.decode_base_s + self.decode_per_seq_s <= 0:
             raise TunerError("step model decode_base_s + decode_per_seq_s is 0: a decoding step must take time")
 
@@ -101,8 +109,21 @@ class StepModel:
         (k0, t0), (k1, t1) = table[i - 1], table[i]
         return max(t0 + (t1 - t0) * (batch - k0) / (k1 - k0), 0.0)
 
+    def ctx_slope(self, batch: int) -> float:
+        """Seconds per context token of a decoding step at `batch` sequences: the per-batch table interpolated
+        linearly (held at its ends: a slope is not extrapolated), or the one shared slope."""
+        table = self.decode_ctx_by_batch_s
+        if not table:
+            return self.decode_per_context_token_s
+        if batch <= table[0][0]:
+            return table[0][1]
+        for (k0, c0), (k1, c1) in zip(table, table[1:]):
+            if batch <= k1:
+                return c0 + (c1 - c0) * (batch - k0) / (k1 - k0)
+        return table[-1][1]
+
     def decode_s(self, batch: int, context_tokens: int) -> float:
-        return self.batch_s(batch) + self.decode_per_context_token_s * context_tokens
+        return self.batch_s(batch) + self.ctx_slope(batch) * context_tokens
 
     def prefill_s(self, tokens: int) -> float:
         return self.step_s(0, 0, tokens)
@@ -124,6 +145,7 @@ class StepModel:
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["decode_by_batch_s"] = [list(kt) for kt in self.decode_by_batch_s]
+        d["decode_ctx_by_batch_s"] = [list(kc) for kc in self.decode_ctx_by_batch_s]
         return d
 
 
@@ -172,6 +194,7 @@ class SimulatedEngine:
         self.now = 0.0
         self.steps = 0  # steps simulated so far, all runs together
         self.batch_times = [model.batch_s(k) for k in range(batch_cap + 1)]  # a decoding step's base, per batch
+        self.ctx_slopes = [model.ctx_slope(k) for k in range(batch_cap + 1)]  # ... and its context's cost per token
 
     def clock(self) -> float:
         """Virtual seconds since the engine was made (advanced by each run, and during one)."""
@@ -189,7 +212,7 @@ class SimulatedEngine:
         stretch ends early after the step that reaches `arrival_s` (a request the next step's start admits) and
         before a step that would pass `deadline` (the loop itself takes that one). Appends the steps' gaps to
         `gaps_ms`, counts them in `steps`, consumes their noise; (steps taken, the last one's end)."""
-        base, per_ctx = self.batch_times[decoding], self.model.decode_per_context_token_s
+        base, per_ctx = self.batch_times[decoding], self.ctx_slopes[decoding]
         if self.noise is not None:
             factors = self.noise.peek(k)
             dts = [(base + per_ctx * (ctx_decoding + decoding * j)) * f for j, f in enumerate(factors)]
@@ -233,8 +256,8 @@ class SimulatedEngine:
         free_at: deque[float] = deque([t0] * concurrency) if concurrency else deque()
         cap, kv_cap = self.cap, self.kv_tokens
         model = self.model
-        batch_times = self.batch_times
-        per_ctx, pre_base, pre_tok = model.decode_per_context_token_s, model.prefill_base_s, model.prefill_per_token_s
+        batch_times, ctx_slopes = self.batch_times, self.ctx_slopes
+        pre_base, pre_tok = model.prefill_base_s, model.prefill_per_token_s
         mixed, mix_base, mix_tok = model.mixed, model.mixed_base_s, model.mixed_per_token_s
         pre_sq, mix_sq = model.prefill_per_token_sq_s, model.mixed_per_token_sq_s
         quadratic = pre_sq > 0 or mix_sq > 0
@@ -344,7 +367,7 @@ class SimulatedEngine:
                     if quadratic:
                         prompt_sq += pairs(max(1, s.plen) - s.prompt_left, take)
                     budget -= take
-            dt = batch_times[decoding] + per_ctx * ctx_decoding
+            dt = batch_times[decoding] + ctx_slopes[decoding] * ctx_decoding
             if prompt_tokens:
                 dt += ((mix_base + mix_tok * prompt_tokens + mix_sq * prompt_sq) if mixed and decoding
                        else pre_base + pre_tok * prompt_tokens + pre_sq * prompt_sq)

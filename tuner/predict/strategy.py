@@ -260,6 +260,7 @@ class PredictStrategy:
         """Enumerate, profile what the time affords, predict every profiled configuration."""
         from optuna.trial import FixedTrial
 
+        from tuner.predict.profile import history_since
         from tuner.predict.verify import tail_terms
         from tuner.search.space import config_key, suggest_config
 
@@ -318,7 +319,8 @@ class PredictStrategy:
                 spent_s, measured, longest_s = spent_s + took, measured + 1, max(longest_s if measured else 0, took)
             self.profiles[describe_format(fmt)] = {"id": profile["id"], "cached": cached is not None,
                                                    "batch_cap": profile["batch_cap"], "profile_s": took,
-                                                   "measured_at": profile.get("measured_at")}
+                                                   "measured_at": profile.get("measured_at"),
+                                                   "since": history_since(profile)}
             if cached is None:  # why it was measured (another host or build's profile not reused, ...)
                 self.notes += [f"profile of {describe_format(fmt)}: {n}" for n in profile.get("notes") or []]
             profiled.append((members, profile))
@@ -461,7 +463,7 @@ class PredictStrategy:
         from tuner.predict.estimate import predict
 
         done: dict[tuple[str | None, int], tuple[tuple[float, float] | None, list[str]]] = {}
-        since = {v["id"]: v.get("measured_at") for v in self.profiles.values()}
+        since = {v["id"]: v.get("since") or v.get("measured_at") for v in self.profiles.values()}
         histories = {pid: read_history(pid, since.get(pid)) for pid in {p.profile for p in self.predictions} if pid}
         spent = 0.0
         for p in self.predictions:
