@@ -456,3 +456,14 @@ def test_llamacpp_predict_search_measures_fewer_than_it_predicts(tmp_path) -> No
         assert f"measured {m['requests_per_s']:.3g} req/s" in said
     print(line, rec["prediction_cost"], [(m["trial"], m["predicted_requests_per_s"], m["requests_per_s"],
                                           m["signed_error"]) for m in rec["measured"]])
+
+
+def test_a_format_is_described_by_its_own_engine_fields() -> None:
+    """A vLLM or transformers format names no llama.cpp knob it does not have (kv_type, threads, ubatch at their
+    defaults); llama.cpp's name its format fields always; any field away from its default is named."""
+    assert st.describe_format(st.format_of({"engine": "vllm", "quant": "bf16"})) == "quant=bf16 on vllm"
+    assert st.describe_format(st.format_of({"engine": "transformers", "quant": "fp32"})) == "quant=fp32 on transformers"
+    assert (st.describe_format(st.format_of({"engine": "vllm", "quant": "bf16", "batched_tokens": 512}))
+            == "quant=bf16 batched_tokens=512 on vllm")
+    assert (st.describe_format(st.format_of({"engine": "llamacpp", "quant": "Q8_0", "threads": 1}))
+            == "quant=Q8_0 kv_type=auto threads=1 ubatch=0 on llamacpp")

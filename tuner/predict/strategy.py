@@ -176,13 +176,19 @@ def format_of(config: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(config.get(k, DEFAULTS.get(k)) for k in FORMAT_FIELDS)
 
 
+SHOWN_FIELDS = {"llamacpp": ("quant", "kv_type", "threads", "ubatch")}  # an engine's format fields always shown
+
+
 def describe_format(fmt: tuple[Any, ...]) -> str:
-    """'quant=Q8_0 kv_type=auto threads=1 ubatch=0 on llamacpp' (the engine last: one space's formats read alike)."""
+    """'quant=Q8_0 kv_type=auto threads=1 ubatch=0 on llamacpp', 'quant=bf16 batched_tokens=512 on vllm': the quant,
+    the engine's own always-shown fields (`SHOWN_FIELDS`), and any other field away from its default; the engine
+    last (one space's formats read alike)."""
     from tuner.search.space import DEFAULTS
 
     named = dict(zip(FORMAT_FIELDS, fmt))
-    return " ".join(f"{k}={v}" for k, v in named.items() if k != "engine" and (k in FORMAT_FIELDS[:5] or
-                                                                           v != DEFAULTS.get(k))) + f" on {named['engine']}"
+    shown = SHOWN_FIELDS.get(named["engine"], ("quant",))
+    return " ".join(f"{k}={v}" for k, v in named.items() if k != "engine" and (k in shown or v != DEFAULTS.get(k))
+                    ) + f" on {named['engine']}"
 
 
 def profile_order(formats: Sequence[tuple[Any, ...]], baseline: tuple[Any, ...], seed: int,
