@@ -86,10 +86,12 @@ def scaled_profile(prof: dict[str, Any], factor: float, pid: str, cap: int) -> d
     """`prof` with every step time x `factor` (the fit's model and the samples it was fitted to) under id `pid`."""
     fit = dict(prof["fit"])
     model = dict(fit["model"])
+    tables = ("decode_by_batch_s", "decode_ctx_by_batch_s")  # (batch, seconds) pairs
     for k, v in list(model.items()):
-        if k.endswith("_s") and k != "decode_by_batch_s" and k != "noise_sigma":
+        if k.endswith("_s") and k not in tables and k != "noise_sigma":
             model[k] = v * factor
-    model["decode_by_batch_s"] = [[k, t * factor] for k, t in model.get("decode_by_batch_s") or []]
+    for table in tables:
+        model[table] = [[k, t * factor] for k, t in model.get(table) or []]
     fit["model"] = model
     s = prof["samples"]
     samples = {**s, "decode": [{**d, "step_s": d["step_s"] * factor} for d in s["decode"]],
