@@ -42,6 +42,7 @@ import math
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,6 +115,7 @@ class Side:
     prompt_ms: Callable[[Any, int], float | None]  # the engine's own prompt time of the last run's request `index`
     facts: Callable[[Any], dict[str, Any]]  # read from the running engine: its launch, KV capacity, token budget
     limits: Callable[[dict[str, Any], TrialConfig], dict[str, Any]]  # see scheduler_limits
+    in_process: bool = False  # the engine runs in the measuring process: measured in a fresh child (measure_profile)
 
 
 def llamacpp_identity(config: TrialConfig) -> dict[str, Any]:
@@ -227,7 +229,7 @@ SIDES: dict[str, Side] = {
                      lambda engine, index: (engine.request_timings().get(f"r{index}") or {}).get("prompt_ms"),
                      llamacpp_facts, llamacpp_limits),
     "transformers": Side("max_requests_per_batch", transformers_identity, lambda engine, cap: None,
-                         lambda engine, index: None, transformers_facts, transformers_limits),
+                         lambda engine, index: None, transformers_facts, transformers_limits, in_process=True),
     "vllm": Side("--max-num-seqs", vllm_identity, lambda engine, cap: None, lambda engine, index: None, vllm_facts,
                  vllm_limits),
 }
@@ -456,7 +458,32 @@ def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool:
 def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], None] = lambda s: None,
                     protocol: Protocol = Protocol()) -> dict[str, Any]:
     """Open `config`'s engine through its backend at batch cap `batch_cap`, start it, measure, stop it; the profile
-    (unwritten)."""
+    (unwritten). An engine that runs in this process (transformers) is measured in a fresh child process
+    (`measure_in_child`): torch ops this process ran before on its main thread (a model loaded, a quality score, a
+    bandwidth probe) left an intra-op thread pool that the engine's generation thread then shares the cores with --
+    a profile taken inside the test process predicted transformers' TPOT at 95-103 ms where `tuner bench` in a fresh
+    process measured 69-70 (the same fault tuner.measure.bench.memory_bandwidth avoids)."""
+    if side(config).in_process:
+        return measure_in_child(config, batch_cap, protocol)
+    return measure_here(config, batch_cap, log, protocol)
+
+
+def child_log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def measure_in_child(config: TrialConfig, batch_cap: int, protocol: Protocol) -> dict[str, Any]:
+    """`measure_here` in a fresh interpreter (spawned: nothing of this process's threads or torch state), its log
+    lines on this process's stderr; its errors raised here as they were there."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(measure_here, (config, batch_cap, child_log, protocol))
+
+
+def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None] = lambda s: None,
+                 protocol: Protocol = Protocol()) -> dict[str, Any]:
+    """measure_profile in this process."""
     from tuner.measure.loadgen import run_load
     from tuner.measure.workload import token_pool
 
