@@ -84,15 +84,10 @@ def read_profile(pid: str, path: Path | None = None) -> dict[str, Any]:
 
 def scaled_profile(prof: dict[str, Any], factor: float, pid: str, cap: int) -> dict[str, Any]:
     """`prof` with every step time x `factor` (the fit's model and the samples it was fitted to) under id `pid`."""
-    fit = dict(prof["fit"])
-    model = dict(fit["model"])
-    tables = ("decode_by_batch_s", "decode_ctx_by_batch_s")  # (batch, seconds) pairs
-    for k, v in list(model.items()):
-        if k.endswith("_s") and k not in tables and k != "noise_sigma":
-            model[k] = v * factor
-    for table in tables:
-        model[table] = [[k, t * factor] for k, t in model.get(table) or []]
-    fit["model"] = model
+    from tuner.predict.estimate import scaled
+    from tuner.predict.simulate import StepModel
+
+    fit = {**prof["fit"], "model": scaled(StepModel(**prof["fit"]["model"]), factor).to_dict()}
     s = prof["samples"]
     samples = {**s, "decode": [{**d, "step_s": d["step_s"] * factor} for d in s["decode"]],
                "prefill": [{**p, "ttft_s": p["ttft_s"] * factor} for p in s["prefill"]]}

@@ -121,7 +121,7 @@ class PeakMemory:
         return max(self.peak_device, torch.cuda.max_memory_allocated()) / 2**20
 
 
-BANDWIDTH_CHILD = ("import sys; from tuner.measure.roofline import measure_bandwidth_gbs; "
+BANDWIDTH_CHILD = ("from tuner.measure.roofline import measure_bandwidth_gbs; "
                    "print(measure_bandwidth_gbs(size_mb=256, repeats=9))")
 
 

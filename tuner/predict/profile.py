@@ -552,13 +552,16 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
     }
 
 
-def read_profile(path: Path) -> dict[str, Any] | None:
-    """A cached profile of this protocol version (None: unreadable or another version), fitted by today's rules."""
+def read_profile(path: Path, refit: bool = True) -> dict[str, Any] | None:
+    """A cached profile of this protocol version (None: unreadable or another version), fitted by today's rules
+    (`refit` False: as stored, for a reader of its key alone)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return refitted(data) if isinstance(data, dict) and data.get("version") == VERSION and "fit" in data else None
+    if not (isinstance(data, dict) and data.get("version") == VERSION and "fit" in data):
+        return None
+    return refitted(data) if refit else data
 
 
 def refitted(profile: dict[str, Any]) -> dict[str, Any]:
@@ -598,7 +601,7 @@ def other_profiles(key: dict[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
     hash: the model's file changed)."""
     out = []
     for path in sorted(profiles_dir().glob("*.json")) if profiles_dir().is_dir() else []:
-        p = read_profile(path)
+        p = read_profile(path, refit=False)  # its key and date are read, not its fit
         k = (p or {}).get("key") or {}
         if (p and k.get("engine", key.get("engine")) == key.get("engine")
                 and (k.get("model") or {}).get("name") == key["model"].get("name")
