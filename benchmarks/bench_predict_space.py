@@ -1,7 +1,10 @@
 """Seconds to predict: one configuration (`tuner predict`, as a user runs it, and in process with the tail SLO's
 lifted budget, the ~20 s case of issue 26) and the whole llama.cpp space (search_spaces/llamacpp-cpu.yaml) through
-the code `tuner search --strategy predict` runs (PredictStrategy.prepare: enumerate, predict_group, band_all).
-Goals (issue 26): <= 2 s per configuration, the whole space <= 60 s. Every capacity here is PREDICTED.
+the code `tuner search --strategy predict` runs (PredictStrategy.prepare: enumerate, predict_group, the engine
+default's band), then the bands its choosing rule computes over a search in which every measurement equals its
+prediction (PredictStrategy.choose until it stops: `choose_until_stop`). Goals (issue 26): <= 2 s per configuration,
+the whole space <= 60 s. Every capacity here is PREDICTED. `--band-every` times the whole space with every band
+computed at the start instead (the rule before 2026-12-06), and prints both strategies' choices.
 
 Profiles: the cached real llama-server profile `--profile` (default: Q8_0 -t 1 of smollm2-135m, `tuner profile
 --model smollm2-135m --engine llamacpp --quant Q8_0 --batch-cap 4 --threads 1`). The space's 84 formats are not all
@@ -168,8 +171,35 @@ def spec_args() -> list[str]:
             "--output-len", f"{s.output_len[0]}:{s.output_len[1]}"]
 
 
+def choose_until_stop(strategy: Any, trials: int) -> dict[str, Any]:
+    """The choosing rule after prepare, over a search in which the engine default and then each chosen configuration
+    measures exactly its prediction (the calibration as enqueue_next makes it), until it stops or `trials` are
+    measured (`tuner search --trials`): the configurations chosen, the bands computed for the choices, how many came
+    out wider than the rule had assumed, and the seconds (wall, CPU with the worker processes') they took."""
+    from tuner.predict import strategy as st
+
+    t, cpu, before = time.perf_counter(), cpu_s(), sum(p.banded for p in strategy.predictions)
+    from tuner.search.space import config_key
+
+    default = config_key(strategy.space, st.engine_defaults(strategy.space)[0])
+    base = next(p for p in strategy.predictions if p.key == default)  # the engine default, measured first
+    measured = [base]
+    while len(measured) < trials:
+        ratio, sigma = st.calibration([(p.rps, p.rps) for p in measured])
+        p, _ = strategy.choose(strategy.predictions, {m.key for m in measured}, ratio, sigma,
+                               max(m.rps for m in measured))
+        if p is None:
+            break
+        measured.append(p)
+    return {"chosen": [(p.config["quant"], p.config["batch_cap"], p.config.get("kv_type"), p.config.get("threads"),
+                        p.config.get("ubatch"), p.config.get("kv_fraction"), round(p.rps, 4)) for p in measured],
+            "bands": sum(p.banded for p in strategy.predictions) - before, "s": time.perf_counter() - t,
+            "cpu_s": cpu_s() - cpu, "stopped": p is None if len(measured) > 1 else None,
+            "wider_than_assumed": len(strategy.wider_than_assumed)}
+
+
 def predict_space(prof: dict[str, Any], slo_text: str, tokenizer: Any, space_path: Path = SPACE,
-                  workers: int | None = None) -> dict[str, Any]:
+                  workers: int | None = None, band_every: bool = False, trials: int = 20) -> dict[str, Any]:
     """The whole space predicted by PredictStrategy.prepare (the cached-profile lookup answered with each format's
     stand-in profile, nothing measured), timed; what it predicted and its own cost record."""
     from tuner.cli.predict import capacity_pool
@@ -191,6 +221,8 @@ def predict_space(prof: dict[str, Any], slo_text: str, tokenizer: Any, space_pat
         return formats[fmt]
 
     kw = {"workers": workers} if workers is not None else {}  # (a version without worker processes takes none)
+    if band_every:
+        kw["band_every"] = True
     strategy = st.PredictStrategy(lambda config, o: capacity_pool(config, spec, o, tokenizer), seed=spec.seed, **kw)
     strategy.cached = cached.__get__(strategy)
     forget_searches()
@@ -198,9 +230,12 @@ def predict_space(prof: dict[str, Any], slo_text: str, tokenizer: Any, space_pat
     strategy.prepare(ctx, None)
     took, cpu = time.perf_counter() - t, cpu_s() - cpu
     predicted = sum(p.rps is not None for p in strategy.predictions)
+    banded = sum(getattr(p, "banded", p.band is not None) for p in strategy.predictions)
+    cost = strategy.report_prediction()["prediction_cost"]  # prepare's (before the choices band more)
     return {"slo": slo_text, "s": took, "cpu_s": cpu, "configurations": strategy.n_configurations, "predicted": predicted,
+            "banded": banded, "choosing": choose_until_stop(strategy, trials) if hasattr(strategy, "choose") else None,
             "left_out": sum(e["configurations"] for e in strategy.left_out), "formats": len(formats),
-            "cost": strategy.report_prediction()["prediction_cost"],
+            "cost": cost,
             "top": [(p.config["quant"], p.config["batch_cap"], p.rps, p.band)
                     for p in sorted(strategy.predictions, key=lambda p: -(p.rps or 0))[:3]]}
 
@@ -224,6 +259,10 @@ def main() -> int:
     ap.add_argument("--workers", default=None,
                     help="processes the space's simulations run in, ','-separated to time several in one run "
                          "(default: the strategy's own, one per CPU; 1: serial)")
+    ap.add_argument("--trials", type=int, default=20,
+                    help="measurements the choosing scenario stops at (tuner search's --trials default: 20)")
+    ap.add_argument("--band-every", action="store_true",
+                    help="also time the whole space with every band computed at the start (the A/B of the lazy bands)")
     ap.add_argument("--json", help="write every figure as JSON")
     args = ap.parse_args()
 
@@ -263,15 +302,27 @@ def main() -> int:
                   f"{args.repeats} (a fresh process each, imports and tokenizer included)", flush=True)
     if not args.skip_space:
         slos = args.space_slos.split(";") if args.space_slos else [args.slo_median, args.slo_tail]
-        for slo_text, workers in ((s, w) for s in slos for w in (args.workers.split(",") if args.workers else [None])):
-            r = predict_space(prof, slo_text, tokenizer, args.space, None if workers is None else int(workers))
-            out["space"].append({**r, "workers": workers})
+        runs = [(s, w, every) for s in slos for w in (args.workers.split(",") if args.workers else [None])
+                for every in ((False, True) if args.band_every else (False,))]
+        for slo_text, workers, every in runs:
+            r = predict_space(prof, slo_text, tokenizer, args.space, None if workers is None else int(workers), every,
+                              args.trials)
+            out["space"].append({**r, "workers": workers, "band_every": every})
             print(f"whole space {args.space.name} at {slo_text}"
                   + (f" ({workers} worker process{'es' if workers != '1' else ''})" if workers else "")
+                  + (" EVERY BAND at the start" if every else "")
                   + f": {r['s']:.1f} s for {r['configurations']} configurations "
-                  f"({r['predicted']} predicted, {r['left_out']} left out: drafts; {r['formats']} formats, "
-                  f"{r['cost']['simulations']} simulations): {r['configurations'] / r['s']:.1f} configurations/s "
-                  f"({r['predicted'] / r['s']:.1f} predicted/s); {r['cpu_s']:.1f} CPU s", flush=True)
+                  f"({r['predicted']} predicted, {r['banded']} with their band, {r['left_out']} left out: drafts; "
+                  f"{r['formats']} formats, {r['cost']['simulations']} simulations): "
+                  f"{r['configurations'] / r['s']:.1f} configurations/s ({r['predicted'] / r['s']:.1f} predicted/s); "
+                  f"{r['cpu_s']:.1f} CPU s", flush=True)
+            c = r["choosing"]
+            if c is not None:
+                print(f"  choosing (each measurement = its prediction) until it stops or {args.trials} are measured: "
+                      f"{len(c['chosen'])} measured (the default included; "
+                      f"{'stopped by the rule' if c['stopped'] else 'trials spent'}), {c['bands']} more bands computed "
+                      f"({c['wider_than_assumed']} wider than assumed), {c['s']:.1f} s ({c['cpu_s']:.1f} CPU s); "
+                      f"chosen: {c['chosen']}", flush=True)
     after = canary_s()
     out["canary_s"].append(after)
     out["load"].append(os.getloadavg())

@@ -153,9 +153,13 @@ def test_the_profiled_model_predicts_the_real_engine_at_two_rates(tmp_path: Path
 
     monkeypatch.setattr(prof, "profiles_dir", lambda: tmp_path / "profiles")  # this test's own profile only
     speeds = [canary()]
-    profile = prof.load_or_measure(CONFIG, 2, protocol=QUICK)
+    said: list[str] = []
+    profile = prof.load_or_measure(CONFIG, 2, protocol=QUICK, log=said.append)
     speeds.append(canary())
     assert profile["cached"] is False and profile["key"]["engine"] == "transformers"
+    # measured in a spawned child (prof.measure_in_child): its progress lines reach this process's log, in order
+    steps = [line for line in said if line.startswith("decode at ")]
+    assert [line.split(":")[0] for line in steps] == ["decode at 1 sequences", "decode at 2 sequences"]
     assert {s["seqs"] for s in profile["samples"]["decode"]} == {1, 2}
     kv = profile["engine"]["kv"]  # read from the running engine's cache
     assert kv["tokens"] == kv["num_blocks"] * kv["block_tokens"] and kv["num_blocks"] >= 1

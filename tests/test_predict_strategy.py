@@ -27,7 +27,7 @@ def fixed(space: Any, rps: dict[tuple[str, int], float], rel_band: float = 0.05)
         c = suggest_config(FixedTrial(params), space, "smollm2-135m", "cpu").to_dict()
         r = rps[(c["quant"], c["batch_cap"])]
         out.append(st.Prediction(params, c, config_key(space, params), r, (r * (1 - rel_band), r * (1 + rel_band)),
-                                 "fixed"))
+                                 "fixed", banded=True))
     return out
 
 
@@ -241,9 +241,12 @@ def test_a_short_timeout_profiles_the_baseline_format_only_and_says_what_was_lef
     assert "quant=Q8_0" in report["left_out"][0]["why"] and "time budget" in report["left_out"][0]["why"]
     caps = {p.config["batch_cap"]: p for p in strategy.predictions}
     assert caps[4].rps > caps[1].rps > 0  # a continuous-batching engine serves more at a higher cap
-    assert all(p.band[0] <= p.rps <= p.band[1] for p in strategy.predictions)
+    # the engine default's band at the start (it is measured first); the others' when the choosing rule needs them
+    assert [p.config["batch_cap"] for p in strategy.predictions if p.banded] == [1]
+    assert all(p.band[0] <= p.rps <= p.band[1] for p in strategy.predictions if p.banded)
     assert not any(p.extrapolated for p in strategy.predictions)  # the workload lies within the profile's ranges
-    assert report["prediction_cost"]["simulations"] == 3 and report["prediction_cost"]["s_per_configuration"] > 0
+    assert report["prediction_cost"]["simulations"] == 3 + (st.BAND_REPLICATES + 2)  # 3 points, 1 band
+    assert report["prediction_cost"]["s_per_configuration"] > 0 and report["n_banded"] == 1
 
 
 def test_without_a_timeout_every_format_within_the_profile_cap_is_predicted() -> None:
@@ -255,10 +258,12 @@ def test_without_a_timeout_every_format_within_the_profile_cap_is_predicted() ->
     assert (best.config["quant"], best.config["batch_cap"]) == ("Q8_0", 4)  # the faster steps, the most slots
 
 
-def test_the_simulations_run_in_worker_processes_predict_what_the_serial_run_does(monkeypatch) -> None:
-    """prepare with every simulation prefetched in 2 worker processes (tuner.predict.estimate.prefetch) predicts
+@pytest.mark.parametrize("band_every", [False, True])
+def test_the_simulations_run_in_worker_processes_predict_what_the_serial_run_does(monkeypatch, band_every) -> None:
+    """prepare with its simulations prefetched in 2 worker processes (tuner.predict.estimate.prefetch) predicts
     each configuration, band, note and left-out entry as the serial run does, to the last bit; and the prefetch
-    ran every search predict_group and band_all then made (none left for the serial code)."""
+    ran every search predict_group and band then made (none left for the serial code): every point and the engine
+    default's band, or with `band_every` every band."""
     import tuner.predict.estimate as est
 
     space = load_space(SPACE)
@@ -266,15 +271,40 @@ def test_the_simulations_run_in_worker_processes_predict_what_the_serial_run_doe
     for workers in (1, 2):
         monkeypatch.setattr(est, "workers_available", lambda w=workers: w)
         est._SEARCHES.clear()
-        strategy = SimulatedProfiles(pool)
+        strategy = SimulatedProfiles(pool, band_every=band_every)
         strategy.prepare(context(space), time_left_s=None)
         runs.append((strategy, len(est._SEARCHES)))
     (serial, _), (parallel, kept) = runs
     assert "prefetch" not in serial.timing
-    assert parallel.timing["prefetch"]["simulations"] == kept == 6 * (1 + st.BAND_REPLICATES + 2)
+    bands = 6 if band_every else 1
+    assert parallel.timing["prefetch"]["simulations"] == kept == 6 + bands * (st.BAND_REPLICATES + 2)
     assert ([(p.key, p.rps, p.band, p.notes, p.extrapolated, p.profile) for p in parallel.predictions]
             == [(p.key, p.rps, p.band, p.notes, p.extrapolated, p.profile) for p in serial.predictions])
     assert (parallel.left_out, parallel.notes) == (serial.left_out, serial.notes)
+    assert sum(p.banded for p in parallel.predictions) == bands
+
+
+def test_bands_computed_as_the_choosing_rule_needs_them_choose_what_every_band_computed_would(monkeypatch) -> None:
+    """The same search twice on simulated profiles, the engine serving each configuration at its prediction: every
+    band computed at the start, or each when the choosing rule could pick its configuration (one at a time here).
+    Both measure the same configurations in the same order; the lazy one computed fewer bands, every configuration it
+    measured carried its band, and none it computed was wider than it had assumed."""
+    monkeypatch.setattr(st, "BAND_BATCH", 1)
+    space = load_space(SPACE)
+    runs = []
+    for every in (True, False):
+        strategy = SimulatedProfiles(pool, band_every=every)
+        strategy.prepare(context(space), time_left_s=None)
+        truth = {(p.config["quant"], p.config["batch_cap"]): p.rps for p in strategy.predictions}
+        study = drive(space, strategy, truth)
+        runs.append((measured_configs(study), strategy, study))
+    (eager_order, eager, _), (lazy_order, lazy, study) = runs
+    assert lazy_order == eager_order and len(lazy_order) < 6
+    assert lazy.report_prediction()["n_banded"] < eager.report_prediction()["n_banded"] == 6
+    assert all(t.user_attrs["predicted_band"] for t in study.trials)
+    assert lazy.report_prediction()["bands"]["wider_than_assumed"] == []
+    stored = study.user_attrs[st.PREDICTIONS]["configurations"]  # the study keeps the bands the choices computed
+    assert sum(c["predicted_band"] is not None for c in stored) == lazy.report_prediction()["n_banded"]
 
 
 class OneFormatTooSlow(SimulatedProfiles):

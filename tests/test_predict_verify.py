@@ -205,7 +205,9 @@ def test_the_strategys_bands_carry_the_profiles_calibration_history(monkeypatch,
     calibration.record("sim-Q4_1", {"ratio": 0.5, "error": 1.0, "within_band": False, "contradicts": True})
     later = SimulatedProfiles(lambda c, o: pool_of(o.pool_size(c.batch_cap, 2)))
     later.prepare(context(load_space(SPACE)), time_left_s=0.0)
-    assert later.predictions and all(p.band[0] <= 0.5 * p.rps for p in later.predictions)
+    banded = [p for p in later.predictions if p.banded]  # the engine default's (the rest: when they could be chosen)
+    assert banded and all(p.band[0] <= 0.5 * p.rps for p in banded)
+    assert all(later.assumed_band(p)[0] <= 0.5 * p.rps for p in later.predictions if not p.banded)
     assert any("1 of 1 capacities measured for predictions from this profile fell outside their band" in n
                for n in later.notes)
 

@@ -472,6 +472,13 @@ def predict_lines(a: dict[str, Any]) -> list[str]:
              f"  predicted: {a['n_predicted']} of the space's {a['n_configurations']} configurations in "
              f"{cost['simulations']} simulations" + (f", {per:.2f} s per configuration" if per is not None else "")
              + f" (profiles {cost.get('profile_s_total') or 0:.0f} s)"]
+    bands = a.get("bands") or {}
+    if "n_banded" in a:
+        lines.append(f"  bands: {a['n_banded']} of {a['n_predicted']} predicted configurations carry one ("
+                     + ("every one computed at the start" if bands.get("every") else
+                        "the engine defaults' and those the choosing rule could pick; no other could reach the top of its "
+                        "ranking even with a band as wide as assumed: a point prediction only") + ")")
+    lines += [f"  note: a band wider than the choosing rule assumed: {w}" for w in bands.get("wider_than_assumed") or []]
     for left in a.get("left_out") or []:  # never ranked: no prediction; measured only as an engine default
         n_not = left["configurations"] - left.get("measured", 0)
         lines.append(f"  not predicted, not measured: {n_not} configuration(s): {left['why']}"

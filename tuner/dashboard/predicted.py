@@ -101,7 +101,8 @@ def predicted_points(record: Mapping[str, Any] | None, views: Sequence[TrialView
         lo, hi = ci_pair(entry.get("predicted_band"))
         hover = [f"<b>predicted</b> (not measured{f'; measured as trial {m.number}' if m else ''})",
                  config_text(cfg), f"predicted capacity {f.get(CAPACITY, float('nan')):.3g} req/s"
-                 + (f" (band {lo:.3g}–{hi:.3g})" if lo is not None and hi is not None else "")]
+                 + (f" (band {lo:.3g}–{hi:.3g})" if lo is not None and hi is not None else
+                    " (no band: the search's choosing rule never needed it)")]
         hover += [f"extrapolated: {e}" for e in entry.get("extrapolated") or [] if e.startswith("extrapolated")]
         out.append({"x": f[x], "y": f[y], "x_err": band_error(entry, f[x]) if x == CAPACITY else None,
                     "y_err": band_error(entry, f[y]) if y == CAPACITY else None, "config": cfg,

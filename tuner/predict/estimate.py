@@ -229,6 +229,27 @@ def extrapolation(profile: dict[str, Any], batch_cap: int, pool: Sequence[Reques
     return max([1.0, *factors.values()]), notes
 
 
+def history_notes(calibrated: dict[str, Any]) -> list[str]:
+    """What a profile's calibration history (calibration.widen's summary) says of its bands, if anything."""
+    if not calibrated["outside_band"]:
+        return []
+    return [f"{calibrated['outside_band']} of {calibrated['n']} capacities measured for predictions from this "
+            f"profile fell outside their band ({calibrated['contradicted']} beyond the measurement's own "
+            "interval): this band carries every measured / predicted ratio recorded"
+            + (f" (error median {calibrated['median_error']:+.0%}, worst {calibrated['worst_error']:+.0%})"
+               if calibrated["median_error"] is not None else "")]
+
+
+def widened_band(rate: float, band: Sequence[float | None], factor: float, history: Sequence[dict[str, Any]]
+                 ) -> tuple[list[float | None], dict[str, Any]]:
+    """A band of replicate capacities as `predict` widens it: by (factor - 1) x `rate` each way past the profile's
+    ranges (`extrapolation`), then joined with `rate` x every measured / predicted ratio of `history`."""
+    lo, hi = band
+    if factor > 1 and lo is not None and hi is not None:
+        lo, hi = max(lo - (factor - 1) * rate, 0.0), hi + (factor - 1) * rate
+    return widen(rate, [lo, hi], list(history))
+
+
 def predict_searches(profile: dict[str, Any], config: Any, pool: Sequence[Request], options: CapacityOptions,
                      replicates: int = REPLICATES, seed: int = 0, speed_drift: float = SPEED_DRIFT
                      ) -> list[tuple[Any, ...]]:
@@ -268,16 +289,8 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
                      f"step budget's edge ({budget} tokens), which {cap} prompts of up to {longest_prompt} tokens "
                      "can reach: the figures may differ there")
     rate = point["requests_per_s"]
-    lo, hi = band_of([rate] + [r["requests_per_s"] for r in reps])
-    if factor > 1 and lo is not None and hi is not None:
-        lo, hi = max(lo - (factor - 1) * rate, 0.0), hi + (factor - 1) * rate
-    (lo, hi), calibrated = widen(rate, [lo, hi], list(history))
-    if calibrated["outside_band"]:
-        notes.append(f"{calibrated['outside_band']} of {calibrated['n']} capacities measured for predictions from this "
-                     f"profile fell outside their band ({calibrated['contradicted']} beyond the measurement's own "
-                     "interval): this band carries every measured / predicted ratio recorded"
-                     + (f" (error median {calibrated['median_error']:+.0%}, worst {calibrated['worst_error']:+.0%})"
-                        if calibrated["median_error"] is not None else ""))
+    (lo, hi), calibrated = widened_band(rate, band_of([rate] + [r["requests_per_s"] for r in reps]), factor, history)
+    notes += history_notes(calibrated)
     sat = point["saturation"]["requests_per_s"]
     n = min(CURVE_REQUESTS, len(pool))
     ramp = max(1, int(options.ramp_fraction * n))

@@ -464,21 +464,49 @@ def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], No
     a profile taken inside the test process predicted transformers' TPOT at 95-103 ms where `tuner bench` in a fresh
     process measured 69-70 (the same fault tuner.measure.bench.memory_bandwidth avoids)."""
     if side(config).in_process:
-        return measure_in_child(config, batch_cap, protocol)
+        return measure_in_child(config, batch_cap, protocol, log)
     return measure_here(config, batch_cap, log, protocol)
 
 
+_LINES: Any = None  # in a profiling child: the queue its log lines go to (measure_in_child)
+
+
 def child_log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    if _LINES is not None:
+        _LINES.put(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
-def measure_in_child(config: TrialConfig, batch_cap: int, protocol: Protocol) -> dict[str, Any]:
+def child_start(lines: Any) -> None:
+    global _LINES
+    _LINES = lines
+
+
+def measure_in_child(config: TrialConfig, batch_cap: int, protocol: Protocol,
+                     log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """`measure_here` in a fresh interpreter (spawned: nothing of this process's threads or torch state), its log
-    lines on this process's stderr; its errors raised here as they were there."""
+    lines passed to `log` here as they come; its errors raised here as they were there."""
     import multiprocessing
+    import queue
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(measure_here, (config, batch_cap, child_log, protocol))
+    ctx = multiprocessing.get_context("spawn")
+    lines = ctx.Queue()
+    with ctx.Pool(1, initializer=child_start, initargs=(lines,)) as pool:
+        result = pool.apply_async(measure_here, (config, batch_cap, child_log, protocol))
+        while True:
+            try:
+                log(lines.get(timeout=0.2))
+                continue
+            except queue.Empty:
+                if result.ready():
+                    break
+        while True:  # what it said last
+            try:
+                log(lines.get(timeout=0.05))
+            except queue.Empty:
+                break
+        return result.get()
 
 
 def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None] = lambda s: None,

@@ -9,8 +9,11 @@
    profiled yet), are left out and the answer says which and why. Each (format, batch cap) is simulated once
    (tuner.predict.estimate: the real capacity search on the simulated engine) under the engine's own admission
    limits (profile.scheduler_limits: its step budget and KV capacity), so configurations differing only in a KV
-   fraction that leaves both unchanged share one prediction. A point prediction for every one,
-   then the band (`BAND_REPLICATES` resampled fits and the engine's speed drift, estimate.predict) for each.
+   fraction that leaves both unchanged share one prediction. A point prediction for every one;
+   the band (`BAND_REPLICATES` resampled fits and the engine's speed drift, estimate.predict: four more
+   simulations) for the engine defaults, and for the others only when the choosing rule could pick them (`choose`:
+   ranked by the most their chance can be with a band `BAND_MARGIN` x the widest computed so far; every band of
+   the whole llama.cpp space took 4/5 of its prediction time).
 2. **Measure, one at a time**, through the normal Optuna loop (each choice is enqueued, so the real objective,
    child, quality gate and answer run unchanged): the engine default first, then after each measurement the
    predictions are recalibrated (x the geometric mean of measured / predicted over the configurations measured
@@ -46,6 +49,8 @@ PROFILE_S_GUESS = 90.0  # a profile's cost before one was measured here (issue 2
 PROFILE_SHARE = 0.4  # of the --timeout left when the search starts: what profiling may take
 MAX_PROFILES = 4  # profiles measured (cached ones not counted) when there is no --timeout
 BAND_REPLICATES = 2  # resampled fits per band (estimate.predict adds the engine-speed pair)
+BAND_MARGIN = 1.5  # a band not computed yet is assumed within this x the widest replicate spread computed (choose)
+BAND_BATCH = 4  # (profile, batch cap) bands computed at once when the choosing rule needs some (in worker processes)
 PRIOR_SIGMA = 0.3  # log-spread of measured / predicted before any measurement (README: errors of -8% to -45%)
 PRIOR_WEIGHT = 2.0  # pseudo-measurements the prior spread counts as
 SPREADS = 2.0  # a calibrated band is +-2 spreads (about 95%)
@@ -67,6 +72,7 @@ class Prediction:
     profile: str | None = None
     notes: list[str] = field(default_factory=list)
     extrapolated: list[str] = field(default_factory=list)  # past what its profile measured: said, band widened
+    banded: bool = False  # its band was computed (a failed one leaves `band` None): see PredictStrategy.choose
 
 
 # ------------------------------------------------------------------------------- the choosing rule --- #
@@ -88,23 +94,44 @@ def calibration(pairs: Sequence[tuple[float, float]], censored: Sequence[tuple[f
     return math.exp(mean), math.sqrt((PRIOR_WEIGHT * PRIOR_SIGMA ** 2 + ss) / (PRIOR_WEIGHT + len(logs) - 1))
 
 
-def spread_of(p: Prediction, sigma_cal: float) -> float:
-    """The log-spread of one calibrated prediction: its own band (min..max of a handful of replicates, taken as
-    +-1 spread) combined with the calibration's scatter."""
-    own = 0.0
-    if p.band and p.band[0] and p.band[1] and p.band[0] > 0:
-        own = math.log(p.band[1] / p.band[0]) / 2
+def own_spread(band: Sequence[float | None] | None) -> float:
+    """A band's own log-spread (min..max of a handful of replicates, taken as +-1 spread); 0 without a band or for
+    one reaching 0 (ranked by the calibration's scatter alone)."""
+    if band and band[0] and band[1] and band[0] > 0:
+        return math.log(band[1] / band[0]) / 2
+    return 0.0
+
+
+def spread_of(p: Prediction, sigma_cal: float, own: float | None = None) -> float:
+    """The log-spread of one calibrated prediction: its own band's (`own_spread`, or `own`) combined with the
+    calibration's scatter."""
+    own = own_spread(p.band) if own is None else own
     return math.sqrt(own ** 2 + sigma_cal ** 2)
 
 
-def chance_to_beat(p: Prediction, ratio: float, sigma_cal: float, best_rps: float) -> float:
-    """P(the configuration's real capacity > best_rps): lognormal around its calibrated prediction."""
+def chance_to_beat(p: Prediction, ratio: float, sigma_cal: float, best_rps: float, own: float | None = None) -> float:
+    """P(the configuration's real capacity > best_rps): lognormal around its calibrated prediction (`own`: the
+    band's own spread taken as this instead of p.band's)."""
     if not p.rps or p.rps <= 0:
         return 0.0
     if best_rps <= 0:
         return 1.0
-    z = math.log(best_rps / (p.rps * ratio)) / spread_of(p, sigma_cal)
+    z = math.log(best_rps / (p.rps * ratio)) / spread_of(p, sigma_cal, own)
     return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def chance_at_most(p: Prediction, ratio: float, sigma_cal: float, best_rps: float,
+                   assumed: Sequence[float | None] | None) -> float:
+    """The most `chance_to_beat` can be for a configuration whose band is not computed yet, given that its band lies
+    within `assumed` (None: its chance with no band of its own, as a failed band is ranked). The chance is monotone in
+    the band's spread (up below the best, down above it), so the most is at no own spread or the widest, and a band
+    reaching 0 in `assumed` may be any width."""
+    if assumed is None:
+        return chance_to_beat(p, ratio, sigma_cal, best_rps, 0.0)
+    widest = own_spread(assumed) if assumed[0] else math.inf
+    if math.isinf(widest):
+        return max(chance_to_beat(p, ratio, sigma_cal, best_rps, 0.0), 0.5 if p.rps and best_rps > 0 else 0.0)
+    return max(chance_to_beat(p, ratio, sigma_cal, best_rps, 0.0), chance_to_beat(p, ratio, sigma_cal, best_rps, widest))
 
 
 def calibrated_band(p: Prediction, ratio: float, sigma_cal: float) -> list[float] | None:
@@ -114,21 +141,47 @@ def calibrated_band(p: Prediction, ratio: float, sigma_cal: float) -> list[float
     return [p.rps * ratio * math.exp(-SPREADS * s), p.rps * ratio * math.exp(SPREADS * s)]
 
 
+def ranking(predictions: Sequence[Prediction], done: set, ratio: float, sigma_cal: float, best_rps: float,
+            per_engine: dict[str, tuple[float, float]] | None = None,
+            assumed: Callable[[Prediction], Sequence[float | None] | None] | None = None
+            ) -> list[tuple[float, Prediction]]:
+    """The unmeasured configurations (key not in `done`) by their chance to beat `best_rps`, highest first (ties: the
+    higher calibrated prediction, then the larger KV fraction, then the earlier). `per_engine`: an engine's own
+    (ratio, spread) where it has measurements (across engines each engine's model is off in its own way);
+    (ratio, sigma_cal) for the others. `assumed`: for a configuration whose band is not computed (not `banded`), a
+    band its own lies within: it is ranked by the most its chance can be (`chance_at_most`)."""
+    cal = per_engine or {}
+
+    def chance(p: Prediction) -> float:
+        r, s = cal.get(p.config.get("engine"), (ratio, sigma_cal))
+        if assumed is None or p.banded:
+            return chance_to_beat(p, r, s, best_rps)
+        return chance_at_most(p, r, s, best_rps, assumed(p))
+
+    ranked = sorted(((chance(p), p.rps or 0.0, float(p.config.get("kv_fraction") or 0.0), -i, p)
+                     for i, p in enumerate(predictions) if p.key not in done), key=lambda t: t[:4], reverse=True)
+    return [(t[0], t[4]) for t in ranked]
+
+
 def next_candidate(predictions: Sequence[Prediction], done: set, ratio: float, sigma_cal: float,
                    best_rps: float, per_engine: dict[str, tuple[float, float]] | None = None
                    ) -> tuple[Prediction | None, float]:
-    """The unmeasured configuration (key not in `done`) most likely to beat `best_rps` (ties: the higher calibrated
-    prediction, then the larger KV fraction), and its chance; (None, best chance) when none reaches STOP_CHANCE.
-    `per_engine`: an engine's own (ratio, spread) where it has measurements (across engines each engine's model is
-    off in its own way); (ratio, sigma_cal) for the others."""
-    cal = per_engine or {}
-    ranked = sorted(((chance_to_beat(p, *cal.get(p.config.get("engine"), (ratio, sigma_cal)), best_rps), p.rps or 0.0,
-                      float(p.config.get("kv_fraction") or 0.0), -i, p)
-                     for i, p in enumerate(predictions) if p.key not in done), key=lambda t: t[:4], reverse=True)
+    """The unmeasured configuration most likely to beat `best_rps` (`ranking`, every band as it is), and its chance;
+    (None, best chance) when none reaches STOP_CHANCE."""
+    ranked = ranking(predictions, done, ratio, sigma_cal, best_rps, per_engine)
     if not ranked:
         return None, 0.0
-    top = ranked[0]
-    return (top[4], top[0]) if top[0] >= STOP_CHANCE else (None, top[0])
+    chance, top = ranked[0]
+    return (top, chance) if chance >= STOP_CHANCE else (None, chance)
+
+
+def replicate_spread(rates: Sequence[float | None]) -> float:
+    """The own spread of the capacities behind a band before it is widened (infinite where one is 0 and another
+    is not: such a band may be any width)."""
+    xs = [x for x in rates if x is not None]
+    if not xs or max(xs) <= 0:
+        return 0.0
+    return math.log(max(xs) / min(xs)) / 2 if min(xs) > 0 else math.inf
 
 
 # ------------------------------------------------------------------------------------- enumeration --- #
@@ -217,8 +270,9 @@ class PredictStrategy:
 
     def __init__(self, pool_for: Callable[[Any, Any], list[Any]], seed: int = 0,
                  log: Callable[[str], None] = lambda s: None, why: str = "--strategy predict",
-                 workers: int | None = None) -> None:
+                 workers: int | None = None, band_every: bool = False) -> None:
         self.pool_for = pool_for
+        self.band_every = band_every  # every band at prepare (the A/B of the lazy bands); else as `choose` needs them
         self.workers = workers  # processes the simulations run in (prefetch); None: one per CPU
         self.why = why  # why this strategy runs (tuner.cli.search.choose_strategy): the answer says it
         self.seed = seed
@@ -237,6 +291,12 @@ class PredictStrategy:
         self.slo: Any = None  # the study's SLO (prepare): a tail term is verified at the predicted capacity
         self.timeouts_s = (0.0, 0.0)  # the study's --capacity-timeout and --trial-timeout (prepare)
         self.pool_options: Any = None  # the study's capacity settings (prepare): what the pools are built for
+        self.sim_options: Any = None  # the settings the simulations run with (prepare: `simulated`)
+        self.histories: dict[str, list[dict[str, Any]]] = {}  # profile id -> its calibration history (prepare)
+        self.factors: dict[tuple[str, int], float] = {}  # (profile, batch cap) -> extrapolation factor
+        self.spreads: dict[tuple[str, int], float] = {}  # (profile, batch cap) -> its band's replicate spread
+        self.wider_than_assumed: list[str] = []  # bands computed wider than `assumed_band` had assumed
+        self._stored = -1  # bands computed when the predictions were last stored in the study
 
     # ---------------------------------------------------------------------------------- predict --- #
     def options(self, ctx: Any) -> Any:
@@ -266,6 +326,8 @@ class PredictStrategy:
         """Enumerate, profile what the time affords, predict every profiled configuration."""
         from optuna.trial import FixedTrial
 
+        from tuner.predict.calibration import read_history, widen
+        from tuner.predict.estimate import history_notes
         from tuner.predict.profile import history_since
         from tuner.predict.verify import tail_terms
         from tuner.search.space import config_key, suggest_config
@@ -330,10 +392,20 @@ class PredictStrategy:
             if cached is None:  # why it was measured (another host or build's profile not reused, ...)
                 self.notes += [f"profile of {describe_format(fmt)}: {n}" for n in profile.get("notes") or []]
             profiled.append((members, profile))
-        self.prefetch(profiled, options)
+        self.sim_options = options
+        since = {v["id"]: v.get("since") or v.get("measured_at") for v in self.profiles.values()}
+        self.histories = {prof["id"]: read_history(prof["id"], since.get(prof["id"])) for _, prof in profiled}
+        for pid, history in self.histories.items():
+            self.notes += [f"profile {pid}: {n}" for n in history_notes(widen(1.0, [1.0, 1.0], history)[1])]
+        defaults = {config_key(space, d) or tuple(d.items()) for d in engine_defaults(space)}
+        self.prefetch(profiled, options, defaults)
         for members, profile in profiled:
             self.predict_group(members, profile, options)
-        self.band_all(options)
+        n_extra = sum(bool(p.extrapolated) for p in self.predictions)
+        if n_extra:
+            self.notes.append(f"{n_extra} configuration(s) predicted past what their profile measured "
+                              "(extrapolated: their band is widened; each says how far)")
+        self.band(self.predictions if self.band_every else [p for p in self.predictions if p.key in defaults])
         self.timing["profile_s"] = spent_s
         for k in (k for k in space.knobs.values() if k.choices is None):
             self.notes.append(f"{k.name}: {CONTINUOUS_VALUES} values of its range (+ the baseline's) predicted" +
@@ -395,12 +467,14 @@ class PredictStrategy:
             by_cap.setdefault((p.config["batch_cap"], lim["kv_tokens"], lim["token_budget"]), []).append(p)
         return sorted(by_cap.items(), key=lambda g: (g[0][0], g[0][1] or 0, g[0][2])), failed
 
-    def prefetch(self, profiled: list[tuple[list[Prediction], dict[str, Any]]], options: Any) -> None:
-        """Every simulation predict_group and band_all will make, run at once in worker processes (one per CPU,
+    def prefetch(self, profiled: list[tuple[list[Prediction], dict[str, Any]]], options: Any,
+                 banded: set[Any] = frozenset()) -> None:
+        """Every point simulation predict_group will make, and the band searches of the configurations keyed in
+        `banded` (every one with `band_every`), run at once in worker processes (one per CPU,
         tuner.predict.estimate.prefetch): they then find each search's result kept, the same figures sooner. The
-        band of a (profile, batch cap) is its first group's (band_all takes the first prediction's limits)."""
+        band of a (profile, batch cap) is its first group's (`band` takes the first prediction's limits)."""
         from tuner.config import TrialConfig
-        from tuner.predict.estimate import predict_searches, prefetch, workers_available
+        from tuner.predict.estimate import predict_searches, workers_available
         from tuner.predict.profile import step_model
 
         workers = self.workers if self.workers is not None else workers_available()
@@ -408,29 +482,38 @@ class PredictStrategy:
             return
         calls = []
         for members, profile in profiled:
-            banded: set[int] = set()
+            firsts: set[int] = set()
             try:
                 model = step_model(profile)
                 for (cap, kv, budget), same in self.limit_groups(members, profile)[0]:
                     config = TrialConfig.from_dict(same[0].config)
                     requests = self.pool(config, options)
-                    if cap in banded:
-                        calls.append((model, cap, requests, options, budget, self.seed, kv))
-                    else:
-                        banded.add(cap)
+                    first = cap not in firsts
+                    firsts.add(cap)
+                    if first and (self.band_every or any(p.key in banded for p in members
+                                                         if p.config["batch_cap"] == cap)):
                         calls += predict_searches(profile, config, requests, options, BAND_REPLICATES, self.seed)
-            except Exception:  # predict_group and band_all meet it again and say it
+                    else:
+                        calls.append((model, cap, requests, options, budget, self.seed, kv))
+            except Exception:  # predict_group and band meet it again and say it
                 continue
+        self.run_prefetch(calls, workers)
+
+    def run_prefetch(self, calls: list[tuple[Any, ...]], workers: int) -> None:
+        from tuner.predict.estimate import prefetch
+
         t = time.perf_counter()
         ran = prefetch(calls, workers)
-        self.timing["prefetch"] = {"workers": workers, "simulations": ran, "s": time.perf_counter() - t}
+        done = self.timing.setdefault("prefetch", {"workers": workers, "simulations": 0, "s": 0.0})
+        done["simulations"] += ran
+        done["s"] += time.perf_counter() - t
 
     def predict_group(self, members: list[Prediction], profile: dict[str, Any], options: Any) -> None:
         """A point prediction per batch cap and admission limits of this format (one simulation, shared by the KV
         fractions that give the same limits)."""
         from tuner.config import TrialConfig
         from tuner.errors import one_line
-        from tuner.predict.estimate import simulated_capacity
+        from tuner.predict.estimate import extrapolation, simulated_capacity
         from tuner.predict.profile import step_model
 
         groups, failed = self.limit_groups(members, profile)
@@ -449,9 +532,11 @@ class PredictStrategy:
                                       f"failed ({one_line(e)})")
                 continue
             self.timing.setdefault("point_s", []).append(time.perf_counter() - t)
+            factor, extra = extrapolation(profile, cap, requests)  # what its band will be widened by, and why
+            self.factors[(profile["id"], cap)] = factor
             for p in same:
                 p.rps, p.profile = float(got.get("requests_per_s") or 0.0), profile["id"]
-                p.notes = list(got.get("notes") or [])
+                p.notes, p.extrapolated = list(got.get("notes") or []), list(extra)
             self.predictions += same
         self.by_id[profile["id"]] = profile
 
@@ -461,48 +546,99 @@ class PredictStrategy:
             self.pools[config.batch_cap] = self.pool_for(config, self.pool_options or options)
         return self.pools[config.batch_cap]
 
-    def band_all(self, options: Any) -> None:
-        """The band of every simulation (estimate.predict with BAND_REPLICATES resampled fits, widened past the
-        profile's measured ranges and by the profile's calibration history), and what it says of both."""
+    def band(self, wanted: Sequence[Prediction], ranked: bool = False) -> None:
+        """The band of each (profile, batch cap) of `wanted` not computed yet (estimate.predict with BAND_REPLICATES
+        resampled fits and the speed pair, widened past the profile's measured ranges and by its calibration
+        history), set on every prediction sharing it; their searches run in worker processes first when several.
+        `ranked`: they were ranked with `assumed_band` (`choose`): a band wider than it is counted."""
         from tuner.config import TrialConfig
-        from tuner.predict.calibration import read_history
-        from tuner.predict.estimate import predict
+        from tuner.errors import one_line
+        from tuner.predict.estimate import predict, predict_searches, workers_available
 
-        done: dict[tuple[str | None, int], tuple[tuple[float, float] | None, list[str]]] = {}
-        since = {v["id"]: v.get("since") or v.get("measured_at") for v in self.profiles.values()}
-        histories = {pid: read_history(pid, since.get(pid)) for pid in {p.profile for p in self.predictions} if pid}
-        spent = 0.0
+        for p in wanted:
+            p.banded = p.banded or not p.profile  # no profile: no prediction to band
+        keys = list(dict.fromkeys((p.profile, p.config["batch_cap"]) for p in wanted if not p.banded))
+        if not keys:
+            return
+        members: dict[tuple[str, int], list[Prediction]] = {}
         for p in self.predictions:
-            k = (p.profile, p.config["batch_cap"])
-            if k not in done:
-                config = TrialConfig.from_dict(p.config)
-                requests = self.pool(config, options)
-                t = time.perf_counter()
+            if (p.profile, p.config["batch_cap"]) in keys:
+                members.setdefault((p.profile, p.config["batch_cap"]), []).append(p)
+        firsts = {k: TrialConfig.from_dict(members[k][0].config) for k in keys}  # the first prediction's limits
+        workers = self.workers if self.workers is not None else workers_available()
+        if workers >= 2 and len(keys) > 1:
+            calls = []
+            for k in keys:
                 try:
-                    got = predict(self.by_id[p.profile], config, requests, options, replicates=BAND_REPLICATES,
-                                  seed=self.seed, history=histories.get(p.profile) or (), curve=False)
-                except Exception as e:  # a resampled fit's simulation failed: the point stands, without a band
-                    from tuner.errors import one_line
-
-                    spent += time.perf_counter() - t
-                    done[k] = None, []
-                    self.notes.append(f"profile {p.profile} batch cap {k[1]}: no band ({one_line(e)}): its "
-                                      "prediction is ranked by the calibration's spread alone")
-                    p.band, p.extrapolated = done[k]
+                    calls += predict_searches(self.by_id[k[0]], firsts[k], self.pool(firsts[k], self.sim_options),
+                                              self.sim_options, BAND_REPLICATES, self.seed)[1:]
+                except Exception:  # met again below, and said
                     continue
-                spent += time.perf_counter() - t
-                lo, hi = got["capacity"]["band"]
-                extra = [n for n in got["notes"] if n.startswith(("extrapolated", "the band is widened"))]
-                done[k] = ((lo, hi) if lo is not None and hi is not None else None), extra
-                said = [n for n in got["notes"] if "fell outside their band" in n]
-                self.notes += [f"profile {p.profile}: {n}" for n in said if f"profile {p.profile}: {n}" not in self.notes]
-            p.band, p.extrapolated = done[k]
-        n_extra = sum(bool(p.extrapolated) for p in self.predictions)
-        if n_extra:
-            self.notes.append(f"{n_extra} configuration(s) predicted past what their profile measured "
-                              "(extrapolated: their band is widened; each says how far)")
-        self.timing["band_s"] = spent
-        self.timing["simulations"] = len(done)
+            self.run_prefetch(calls, workers)
+        for k in keys:
+            config, assumed = firsts[k], self.assumed_band(members[k][0]) if ranked else None
+            t = time.perf_counter()
+            try:
+                got = predict(self.by_id[k[0]], config, self.pool(config, self.sim_options), self.sim_options,
+                              replicates=BAND_REPLICATES, seed=self.seed, history=self.histories.get(k[0]) or (),
+                              curve=False)
+            except Exception as e:  # a resampled fit's simulation failed: the point stands, without a band
+                self.notes.append(f"profile {k[0]} batch cap {k[1]}: no band ({one_line(e)}): its prediction is "
+                                  "ranked by the calibration's spread alone")
+                band = None
+            else:
+                c = got["capacity"]
+                lo, hi = c["band"]
+                band = (lo, hi) if lo is not None and hi is not None else None
+                self.spreads[k] = replicate_spread([c["requests_per_s"], *c["replicates"], *c["speed"]])
+                if band and assumed and assumed[0] and own_spread(band) > own_spread(assumed) * (1 + 1e-9):
+                    self.wider_than_assumed.append(f"profile {k[0]} batch cap {k[1]}: band [{lo:.3g}, {hi:.3g}] "
+                                                   f"beyond the [{assumed[0]:.3g}, {assumed[1]:.3g}] assumed")
+            self.timing["band_s"] = self.timing.get("band_s", 0.0) + time.perf_counter() - t
+            self.timing["bands"] = self.timing.get("bands", 0) + 1
+            for p in members[k]:
+                p.band, p.banded = band, True
+
+    def assumed_band(self, p: Prediction) -> tuple[float, float] | None:
+        """Where a configuration's band lies if its replicates spread no wider than BAND_MARGIN x the widest of the
+        bands computed in this search (at least the engine-speed pair's 1 + SPEED_DRIFT), widened as `predict`
+        widens it (its extrapolation, its profile's calibration history); None when it has no prediction."""
+        from tuner.predict.estimate import SPEED_DRIFT, widened_band
+
+        if not p.rps or not p.profile:
+            return None
+        s = BAND_MARGIN * max([math.log(1 + SPEED_DRIFT), *self.spreads.values()])
+        (lo, hi), _ = widened_band(p.rps, [p.rps * math.exp(-s), p.rps * math.exp(s)],
+                                   self.factors.get((p.profile, p.config["batch_cap"]), 1.0),
+                                   self.histories.get(p.profile) or ())
+        return lo, hi
+
+    def choose(self, candidates: Sequence[Prediction], done: set, ratio: float, sigma: float, best: float,
+               per_engine: dict[str, tuple[float, float]] | None = None) -> tuple[Prediction | None, float]:
+        """`next_candidate` with each band computed only when the choosing rule could pick its configuration: the
+        configurations are ranked with the most their chance can be where the band is not computed yet
+        (`assumed_band`); while the top of the ranking is such a one, the bands of those ranked above the best
+        computed one are computed (BAND_BATCH at a time) and the ranking made again. The top is then a computed
+        chance at least every other's most: the configuration computing every band would choose (as long as no band
+        is wider than assumed -- the chance reads a band's own spread only, and an assumed band reaching 0 allows
+        any -- one that is widens the assumption, and `report_prediction` counts it)."""
+        while True:
+            ranked = ranking(candidates, done, ratio, sigma, best, per_engine, self.assumed_band)
+            if not ranked:
+                return None, 0.0
+            chance, top = ranked[0]
+            if chance < STOP_CHANCE:
+                return None, chance
+            if top.banded:
+                return top, chance
+            floor = max(STOP_CHANCE, next((c for c, p in ranked if p.banded), 0.0))
+            batch: dict[tuple[str | None, int], Prediction] = {}
+            for c, p in ranked:
+                if c < floor or len(batch) >= BAND_BATCH:
+                    break
+                if not p.banded:
+                    batch.setdefault((p.profile, p.config["batch_cap"]), p)
+            self.band(list(batch.values()), ranked=True)
 
     # ---------------------------------------------------------------------------------- measure --- #
     def state(self, study: Any, space: Any) -> dict[str, Any]:
@@ -566,12 +702,14 @@ class PredictStrategy:
                 continue
             key = config_key(space, params)
             p = next((p for p in self.predictions if p.key == key), None)
+            self.band([p] if p is not None else [])
             r, sg = per_engine.get(engine, (ratio, sigma))
             study.enqueue_trial(params, user_attrs={("engine_default" if i else "baseline"): True,
                                                     **self.attrs(p, r, sg, best, None)})
             return True
         open_ = [p for p in self.predictions if quality_key(p.config) not in s["pruned"]]
-        p, chance = next_candidate(open_, done, ratio, sigma, best, per_engine)
+        p, chance = self.choose(open_, done, ratio, sigma, best, per_engine)
+        self.store_predictions(study)  # with the bands the choice computed
         if p is None:
             left = sum(p.key not in done for p in open_)
             self.stopped = (f"no unmeasured configuration of the {left} predicted has a chance of {STOP_CHANCE:.1%} "
@@ -586,7 +724,8 @@ class PredictStrategy:
     def store_predictions(self, study: Any) -> None:
         """Every prediction of this run into the study (attribute PREDICTIONS, once per run), so the dashboard draws
         the predicted configurations apart from the measured ones and re-ranks them under another SLO or workload."""
-        if getattr(self, "_stored", False):
+        banded = sum(p.banded for p in self.predictions)
+        if self._stored == banded:
             return
         study.set_user_attr(PREDICTIONS, {
             **{k: v for k, v in self.report_prediction().items() if k != "top_predicted"},
@@ -594,7 +733,7 @@ class PredictStrategy:
                                 "predicted_band": list(p.band) if p.band else None, "profile": p.profile,
                                 "extrapolated": list(p.extrapolated)}
                                for p in self.predictions if p.rps is not None]})
-        self._stored = True
+        self._stored = banded
 
     def attrs(self, p: Prediction | None, ratio: float, sigma: float, best: float, chance: float | None
               ) -> dict[str, Any]:
@@ -689,10 +828,18 @@ class PredictStrategy:
     def report_prediction(self) -> dict[str, Any]:
         """What was predicted, left out and what it cost (every figure here predicted, none measured)."""
         points = self.timing.get("point_s") or []
+        bands = self.timing.get("bands", 0)
         return {"strategy": "predict", "strategy_why": self.why, "n_configurations": self.n_configurations,
                 "n_predicted": sum(p.rps is not None for p in self.predictions),
+                "n_banded": sum(p.banded for p in self.predictions),
+                "bands": {"computed": bands, "every": self.band_every, "margin": BAND_MARGIN,
+                          "wider_than_assumed": list(self.wider_than_assumed),
+                          "rule": "every band computed at the start" if self.band_every else
+                          "a configuration's band is computed when the choosing rule could pick it: ranked by the "
+                          f"most its chance can be with a band {BAND_MARGIN}x the widest replicate spread computed "
+                          "so far (the engine defaults' at the start); the others keep their point prediction only"},
                 "left_out": self.left_out, "profiles": self.profiles, "notes": self.notes,
-                "prediction_cost": {"simulations": self.timing.get("simulations", len(points)),
+                "prediction_cost": {"simulations": len(points) + bands * (BAND_REPLICATES + 2),
                                     "point_s_per_simulation": statistics.median(points) if points else None,
                                     "point_s_total": sum(points), "band_s_total": self.timing.get("band_s"),
                                     "profile_s_total": self.timing.get("profile_s"),
