@@ -99,7 +99,8 @@ def pool_maker(ctx: Any) -> Any:
     return lambda config, options: capacity_pool(config, ctx.workload, options, tokenizer)
 
 
-def replay_predict(data: dict[str, Any], ctx: Any, seed: int, pool_for: Any) -> tuple[list[dict[str, Any]], Any]:
+def replay_predict(data: dict[str, Any], ctx: Any, seed: int, pool_for: Any, band_every: bool = False
+                   ) -> tuple[list[dict[str, Any]], Any]:
     """The strategy's measurement order on the grid (its own prepare, enqueue_next and stop rule) and the strategy."""
     import warnings
 
@@ -114,7 +115,7 @@ def replay_predict(data: dict[str, Any], ctx: Any, seed: int, pool_for: Any) -> 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     surface = {key(r["knobs"]): r for r in data["rows"]}
-    strategy = PredictStrategy(pool_for, seed=seed)
+    strategy = PredictStrategy(pool_for, seed=seed, **({"band_every": True} if band_every else {}))
     strategy.prepare(ctx, None)
     study = optuna.create_study(directions=DIRECTIONS)
     order: list[dict[str, Any]] = []
@@ -143,6 +144,9 @@ def main() -> int:
     ap.add_argument("--engine", default="transformers", help="the engine the grid was measured on")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--max-quality-drop", type=float, default=5.0)
+    ap.add_argument("--band-every", action="store_true",
+                    help="every band computed at the start (the rule before 2026-12-06), beside the default where "
+                         "each is computed when the choosing rule needs it: both orders printed per seed")
     ap.add_argument("--json", help="write the per-seed figures here")
     args = ap.parse_args()
     from bench_search import feasible_capacity
@@ -168,6 +172,8 @@ def main() -> int:
     for seed in range(args.seeds):
         t = time.perf_counter()
         order, strategy = replay_predict(data, ctx, seed, pool_for)
+        wall_s = time.perf_counter() - t
+        every = replay_predict(data, ctx, seed, pool_for, band_every=True)[0] if args.band_every else None
         caps = [feasible_capacity(r, data, ctx) for r in order]
         reached = next((i for i, c in enumerate(caps, 1) if c >= goal), None)
         pred = {json.dumps(p.config.get("quant")) + str(p.config.get("batch_cap")): p.rps
@@ -177,13 +183,20 @@ def main() -> int:
                      "order": [{**r["knobs"], "measured_rps": c,
                                 "predicted_rps": pred.get(json.dumps(r["knobs"]["quant"]) + str(r["knobs"]["batch_cap"]))}
                                for r, c in zip(order, caps)],
-                     "wall_s": time.perf_counter() - t})
+                     "wall_s": wall_s,
+                     "bands": sum(getattr(p, "banded", True) for p in strategy.predictions),
+                     "same_order_every_band": None if every is None else [r["knobs"] for r in every] == [
+                         r["knobs"] for r in order]})
         print(f"seed {seed}: goal reached after {reached or '-'} of {len(order)} measured "
               f"({'stopped: ' + strategy.stopped if strategy.stopped else 'grid exhausted'}); "
               f"order (predicted -> measured req/s): "
               + ", ".join(f"{o['quant']} cap {o['batch_cap']}{' ' + o['draft'] if o['draft'] != 'none' else ''} "
                           f"{o['predicted_rps'] or 0:.2f}->{o['measured_rps']:.2f}" for o in runs[-1]["order"])
-              + f" [{runs[-1]['wall_s']:.0f} s]", flush=True)
+              + f" [{runs[-1]['wall_s']:.0f} s; {runs[-1]['bands']} of {len(strategy.predictions)} with a band"
+              + ("" if every is None else "; every band at the start: "
+                 + ("the same order" if runs[-1]["same_order_every_band"] else
+                    "ANOTHER order: " + ", ".join(f"{r['knobs']['quant']} cap {r['knobs']['batch_cap']}" for r in every)))
+              + "]", flush=True)
     counts = [r["measured_to_goal"] for r in runs]
     reached_all = all(c is not None for c in counts)
     med = statistics.median(counts) if reached_all else None

@@ -492,21 +492,25 @@ def measure_in_child(config: TrialConfig, batch_cap: int, protocol: Protocol,
 
     ctx = multiprocessing.get_context("spawn")
     lines = ctx.Queue()
-    with ctx.Pool(1, initializer=child_start, initargs=(lines,)) as pool:
-        result = pool.apply_async(measure_here, (config, batch_cap, child_log, protocol))
-        while True:
-            try:
-                log(lines.get(timeout=0.2))
-                continue
-            except queue.Empty:
-                if result.ready():
+    try:
+        with ctx.Pool(1, initializer=child_start, initargs=(lines,)) as pool:
+            result = pool.apply_async(measure_here, (config, batch_cap, child_log, protocol))
+            while True:
+                try:
+                    log(lines.get(timeout=0.2))
+                    continue
+                except queue.Empty:
+                    if result.ready():
+                        break
+            while True:  # what it said last
+                try:
+                    log(lines.get(timeout=0.05))
+                except queue.Empty:
                     break
-        while True:  # what it said last
-            try:
-                log(lines.get(timeout=0.05))
-            except queue.Empty:
-                break
-        return result.get()
+            return result.get()
+    finally:
+        lines.close()
+        lines.join_thread()
 
 
 def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None] = lambda s: None,
