@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_predict_strategy import RAW, SPACE, SimulatedProfiles, context, fixed
+from tests.test_predict_strategy import RAW, SPACE, SimulatedProfiles, context, fixed, pool
 from tuner.measure.capacity import CapacityOptions, probe_requests_for
 from tuner.measure.workload import Request
 from tuner.predict import strategy as st
@@ -194,6 +194,29 @@ def test_configurations_past_the_profile_are_extrapolated_in_the_strategys_answe
     report = strategy.report_prediction()
     assert all(t["predicted_extrapolated"] for t in report["top_predicted"])
     assert any(n.startswith("3 configuration(s) predicted past what their profile measured") for n in report["notes"])
+
+
+class ShortContextProfiles(SimulatedProfiles):
+    """Profiles that measured contexts of up to 120 tokens per sequence (as a profile with short prompts would)."""
+
+    def measure(self, members: list[st.Prediction], cap: int) -> dict[str, Any]:
+        prof = super().measure(members, cap)
+        return {**prof, "ranges": {**prof["ranges"], "max_context_per_seq": 120}}
+
+
+def test_a_configuration_twice_past_its_profile_is_ranked_as_its_computed_band_ranks_it() -> None:
+    """Contexts of up to 264 tokens on profiles that measured 120: 2.2x past them, so every band is widened by more
+    than its rate and surely reaches 0. The choosing rule ranks such a configuration without computing its band,
+    and its chance is the one its computed band then gives, to the last bit."""
+    strategy = ShortContextProfiles(pool)
+    strategy.prepare(context(load_space(SPACE)), time_left_s=None)
+    waiting = [p for p in strategy.predictions if not p.banded]
+    assert waiting and all(p.extrapolated for p in waiting)
+    best = 0.9 * max(p.rps for p in strategy.predictions)
+    ranked = {id(p): c for c, p in st.ranking(waiting, set(), 1.0, st.PRIOR_SIGMA, best, None, strategy.assumed_band)}
+    strategy.band(waiting)
+    assert all(p.band[0] == 0.0 for p in waiting)
+    assert {id(p): st.chance_to_beat(p, 1.0, st.PRIOR_SIGMA, best) for p in waiting} == ranked
 
 
 def test_the_strategys_bands_carry_the_profiles_calibration_history(monkeypatch, tmp_path) -> None:

@@ -602,14 +602,18 @@ class PredictStrategy:
     def assumed_band(self, p: Prediction) -> tuple[float, float] | None:
         """Where a configuration's band lies if its replicates spread no wider than BAND_MARGIN x the widest of the
         bands computed in this search (at least the engine-speed pair's 1 + SPEED_DRIFT), widened as `predict`
-        widens it (its extrapolation, its profile's calibration history); None when it has no prediction."""
+        widens it (its extrapolation, its profile's calibration history); None when it has no prediction, or when
+        it lies 2x or more past its profile's ranges (its band then surely reaches 0: `chance_at_most` ranks it
+        exactly as its computed band would be)."""
         from tuner.predict.estimate import SPEED_DRIFT, widened_band
 
         if not p.rps or not p.profile:
             return None
+        factor = self.factors.get((p.profile, p.config["batch_cap"]), 1.0)
+        if factor >= 2:  # widened by (factor - 1) x its rate, its band reaches 0 whatever its replicates (their least
+            return None  # is at most the rate): ranked as such a band is, by the calibration's scatter alone
         s = BAND_MARGIN * max([math.log(1 + SPEED_DRIFT), *self.spreads.values()])
-        (lo, hi), _ = widened_band(p.rps, [p.rps * math.exp(-s), p.rps * math.exp(s)],
-                                   self.factors.get((p.profile, p.config["batch_cap"]), 1.0),
+        (lo, hi), _ = widened_band(p.rps, [p.rps * math.exp(-s), p.rps * math.exp(s)], factor,
                                    self.histories.get(p.profile) or ())
         return lo, hi
 
