@@ -295,6 +295,7 @@ class PredictStrategy:
         self.histories: dict[str, list[dict[str, Any]]] = {}  # profile id -> its calibration history (prepare)
         self.factors: dict[tuple[str, int], float] = {}  # (profile, batch cap) -> extrapolation factor
         self.spreads: dict[tuple[str, int], float] = {}  # (profile, batch cap) -> its band's replicate spread
+        self.widest = 0.0  # the widest of `spreads`
         self.wider_than_assumed: list[str] = []  # bands computed wider than `assumed_band` had assumed
         self._stored = -1  # bands computed when the predictions were last stored in the study
 
@@ -591,6 +592,7 @@ class PredictStrategy:
                 lo, hi = c["band"]
                 band = (lo, hi) if lo is not None and hi is not None else None
                 self.spreads[k] = replicate_spread([c["requests_per_s"], *c["replicates"], *c["speed"]])
+                self.widest = max(self.widest, self.spreads[k])
                 if band and assumed and assumed[0] and own_spread(band) > own_spread(assumed) * (1 + 1e-9):
                     self.wider_than_assumed.append(f"profile {k[0]} batch cap {k[1]}: band [{lo:.3g}, {hi:.3g}] "
                                                    f"beyond the [{assumed[0]:.3g}, {assumed[1]:.3g}] assumed")
@@ -612,7 +614,7 @@ class PredictStrategy:
         factor = self.factors.get((p.profile, p.config["batch_cap"]), 1.0)
         if factor >= 2:  # widened by (factor - 1) x its rate, its band reaches 0 whatever its replicates (their least
             return None  # is at most the rate): ranked as such a band is, by the calibration's scatter alone
-        s = BAND_MARGIN * max([math.log(1 + SPEED_DRIFT), *self.spreads.values()])
+        s = BAND_MARGIN * max(math.log(1 + SPEED_DRIFT), self.widest)
         (lo, hi), _ = widened_band(p.rps, [p.rps * math.exp(-s), p.rps * math.exp(s)], factor,
                                    self.histories.get(p.profile) or ())
         return lo, hi
