@@ -6,8 +6,9 @@ prediction (PredictStrategy.choose until it stops: `choose_until_stop`). Goals (
 the whole space <= 60 s. Every capacity here is PREDICTED. `--band-every` times the whole space with every band
 computed at the start instead (the rule before 2026-12-06), and prints both strategies' choices.
 
-Profiles: the cached real llama-server profile `--profile` (default: Q8_0 -t 1 of smollm2-135m, `tuner profile
---model smollm2-135m --engine llamacpp --quant Q8_0 --batch-cap 4 --threads 1`). The space's 84 formats are not all
+Profiles: the cached real llama-server profile `--profile` (default: this host's Q8_0 -t 1 of smollm2-135m, `tuner
+profile --model smollm2-135m --engine llamacpp --quant Q8_0 --batch-cap 16 --threads 1`: at the space's widest -np,
+nothing extrapolated; one at --batch-cap 4 makes the space's -np 8 and 16 extrapolations). The space's 84 formats are not all
 profiled on this host, so for the space each format gets a copy of that profile with its step times (fit and
 samples) x a factor of its own (1 + 0.01 i): distinct profiles, so no format shares another's simulations, with the
 costs of a real one (the capacities themselves are stand-ins: this measures seconds, not accuracy).
@@ -44,7 +45,7 @@ if str(ROOT) not in sys.path and not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(ROOT))
 
 MODEL = "smollm2-135m"
-PROFILE = "7508b04e6e69"  # Q8_0 -t 1, smollm2-135m, on this host's llama.cpp build
+PROFILE_CONFIG = {"quant": "Q8_0", "threads": 1}  # the default profile: Q8_0 -t 1 of smollm2-135m, this host and build
 SPACE = ROOT / "search_spaces" / "llamacpp-cpu.yaml"
 
 
@@ -83,6 +84,14 @@ def read_profile(pid: str, path: Path | None = None) -> dict[str, Any]:
     if prof is None:
         raise SystemExit(f"no cached profile {pid} under {profiles_dir()}: run `tuner profile` first (see the docstring)")
     return {**prof, "cached": True}
+
+
+def default_profile_id() -> str:
+    """The cache id of `tuner profile --model smollm2-135m --engine llamacpp --quant Q8_0 --threads 1` here."""
+    from tuner.config import TrialConfig
+    from tuner.predict.profile import profile_id, profile_key
+
+    return profile_id(profile_key(TrialConfig(model=MODEL, engine="llamacpp", **PROFILE_CONFIG)))
 
 
 def scaled_profile(prof: dict[str, Any], factor: float, pid: str, cap: int) -> dict[str, Any]:
@@ -243,7 +252,8 @@ def predict_space(prof: dict[str, Any], slo_text: str, tokenizer: Any, space_pat
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="timings per configuration (the median is printed)")
-    ap.add_argument("--profile", default=PROFILE, help=f"cached profile id (default {PROFILE})")
+    ap.add_argument("--profile", default=None,
+                    help="cached profile id (default: this host's and build's profile of smollm2-135m Q8_0 -t 1)")
     ap.add_argument("--profile-file", type=Path, default=None,
                     help="a profile JSON read as it is instead of the cache's --profile (any version the code reads)")
     ap.add_argument("--slo-median", default="ttft:p90<2s")
@@ -272,7 +282,7 @@ def main() -> int:
     print(f"code: {code_root()}")
     before = canary_s()
     print(f"canary (fixed CPU loop): {before:.2f} s; {load_line()}", flush=True)
-    prof = read_profile(args.profile, args.profile_file)
+    prof = read_profile(args.profile or default_profile_id(), args.profile_file)
     tokenizer = load_tokenizer(checkpoint_dir(MODEL))
     spec = workload_spec()
     out: dict[str, Any] = {"canary_s": [before], "load": [os.getloadavg()], "configs": [], "cli": [], "space": []}
