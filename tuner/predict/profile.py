@@ -42,7 +42,6 @@ import math
 import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -472,10 +471,7 @@ _LINES: Any = None  # in a profiling child: the queue its log lines go to (measu
 
 
 def child_log(line: str) -> None:
-    if _LINES is not None:
-        _LINES.put(line)
-    else:
-        print(line, file=sys.stderr, flush=True)
+    _LINES.put(line)
 
 
 def child_start(lines: Any) -> None:
@@ -495,18 +491,12 @@ def measure_in_child(config: TrialConfig, batch_cap: int, protocol: Protocol,
     try:
         with ctx.Pool(1, initializer=child_start, initargs=(lines,)) as pool:
             result = pool.apply_async(measure_here, (config, batch_cap, child_log, protocol))
-            while True:
+            while True:  # its lines as they come; done once it has returned and said nothing for 0.2 s
                 try:
                     log(lines.get(timeout=0.2))
-                    continue
                 except queue.Empty:
                     if result.ready():
                         break
-            while True:  # what it said last
-                try:
-                    log(lines.get(timeout=0.05))
-                except queue.Empty:
-                    break
             return result.get()
     finally:
         lines.close()

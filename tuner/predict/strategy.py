@@ -294,8 +294,7 @@ class PredictStrategy:
         self.sim_options: Any = None  # the settings the simulations run with (prepare: `simulated`)
         self.histories: dict[str, list[dict[str, Any]]] = {}  # profile id -> its calibration history (prepare)
         self.factors: dict[tuple[str, int], float] = {}  # (profile, batch cap) -> extrapolation factor
-        self.spreads: dict[tuple[str, int], float] = {}  # (profile, batch cap) -> its band's replicate spread
-        self.widest = 0.0  # the widest of `spreads`
+        self.widest = 0.0  # the widest replicate spread of the bands computed (assumed_band)
         self.wider_than_assumed: list[str] = []  # bands computed wider than `assumed_band` had assumed
         self._stored = -1  # bands computed when the predictions were last stored in the study
 
@@ -591,8 +590,7 @@ class PredictStrategy:
                 c = got["capacity"]
                 lo, hi = c["band"]
                 band = (lo, hi) if lo is not None and hi is not None else None
-                self.spreads[k] = replicate_spread([c["requests_per_s"], *c["replicates"], *c["speed"]])
-                self.widest = max(self.widest, self.spreads[k])
+                self.widest = max(self.widest, replicate_spread([c["requests_per_s"], *c["replicates"], *c["speed"]]))
                 if band and assumed and assumed[0] and own_spread(band) > own_spread(assumed) * (1 + 1e-9):
                     self.wider_than_assumed.append(f"profile {k[0]} batch cap {k[1]}: band [{lo:.3g}, {hi:.3g}] "
                                                    f"beyond the [{assumed[0]:.3g}, {assumed[1]:.3g}] assumed")
