@@ -105,3 +105,43 @@ def test_predicted_ttft_band_holds_on_the_real_engine_at_two_rates(tmp_path: Pat
         pytest.skip(f"indeterminate: the engine's own speed moved {moved:.0%} during the test ({report})")
     for _r, _stat, _p, lo, hi, _m, m_lo, m_hi in rows:
         assert m_lo <= hi and m_hi >= lo, report  # the measured interval meets the predicted band
+
+
+def test_prompts_sent_again_are_served_from_llama_servers_prompt_cache() -> None:
+    """The premise of llama.cpp's profile protocol (tuner.predict.profile.LLAMACPP_PROTOCOL): decode-wave prompts
+    sent again to llama-server prefill next to nothing (each goes back to the slot that kept it) -- a wave sent
+    twice, and a wider wave that sends the narrower one's prompts first -- so the profile measures the same decode
+    steps without paying their prefill again. The engine's own timings say what it prefilled (`prompt_n`) and what
+    its cache served (`cache_n`)."""
+    import random
+
+    from tuner.config import TrialConfig
+    from tuner.engines.registry import backend
+    from tuner.measure.loadgen import run_load
+    from tuner.measure.workload import Request, token_pool
+    from tuner.predict.profile import DECODE_PROMPTS, DECODE_TOKENS, fresh_prompts
+
+    prompt = max(DECODE_PROMPTS)
+    config = TrialConfig(model="smollm2-135m", engine="llamacpp", quant="Q8_0", batch_cap=4, threads=1)
+    engine, _model, tokenizer = backend("llamacpp").open(config, ignore_eos=True)
+    pool, rng = token_pool(tokenizer), random.Random(0)
+    narrow = fresh_prompts(pool, 2, prompt, DECODE_TOKENS, rng)
+    wide = [Request(i, "", r.prompt_ids, DECODE_TOKENS, None)
+            for i, r in enumerate(narrow + fresh_prompts(pool, 2, prompt, DECODE_TOKENS, rng))]
+    engine.start()
+    try:
+        runs = []
+        for wave in (narrow, narrow, wide, wide):
+            results = run_load(engine, wave, concurrency=len(wave), progress=False).results
+            assert all(r.ok and r.output_tokens == DECODE_TOKENS for r in results)
+            timings = engine.request_timings()
+            runs.append([(timings[f"r{r.index}"].get("prompt_n"), timings[f"r{r.index}"].get("cache_n"), r.ttft_ms)
+                         for r in results])
+    finally:
+        engine.stop(drain=False)
+    first, again, wider, wider_again = runs
+    assert all(n >= prompt - 1 for n, _, _ in first), runs  # fresh: prefilled whole
+    for served in (again, wider[:2], wider_again):  # sent again: from the cache
+        assert all(n <= 2 and c >= prompt - 2 for n, c, _ in served), runs
+    assert all(n >= prompt - 1 for n, _, _ in wider[2:]), runs  # the wider wave's new prompts: prefilled
+    assert max(t for _, _, t in again) < 0.5 * max(t for _, _, t in first), runs

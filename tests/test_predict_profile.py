@@ -81,6 +81,46 @@ def test_a_context_slope_per_batch_size_is_fitted_only_where_the_samples_reject_
     assert model.decode_per_context_token_s == pytest.approx(shared.decode_per_context_token_s, rel=0.25)
 
 
+def test_llamacpps_protocol_sends_prompts_again_where_its_prompt_cache_serves_them() -> None:
+    # prof.LLAMACPP_PROTOCOL: at each concurrency the long wave first, sent twice; a wider long wave sends the narrower
+    # one's prompts again first; the short wave's first send fresh (the mixed waves are paced by how long it took)
+    engine = SimulatedEngine(TRUTH, 8)
+    waves: list[tuple[int, int, tuple[tuple[int, ...], ...]]] = []  # (sequences, prompt tokens, prompts)
+
+    def serve(reqs: list[Any], k: int | None) -> list[Any]:
+        if k is not None and reqs[0].max_tokens == prof.DECODE_TOKENS:
+            waves.append((k, len(reqs[0].prompt_ids), tuple(r.prompt_ids for r in reqs)))
+        return engine.run(reqs, concurrency=k).results
+
+    s = prof.collect_samples(serve, list(range(20_000)), 8, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
+                             random.Random(0), protocol=prof.LLAMACPP_PROTOCOL)
+    short, long = prof.DECODE_PROMPTS
+    assert [(k, p) for k, p, _ in waves] == [(k, p) for k in (1, 2, 4, 8) for p in (long, long, short, short)]
+    assert all(waves[i][2] == waves[i + 1][2] for i in range(0, len(waves), 2))  # every wave sent twice
+    longs = [w for k, p, w in waves[::2] if p == long]
+    assert all(wider[:len(narrower)] == narrower for narrower, wider in zip(longs, longs[1:]))
+    assert len({ids for w in longs for ids in w}) == 8  # 8 long prompts in all: the widest wave's
+    shorts = [ids for k, p, w in waves[::2] if p == short for ids in w]
+    assert len(set(shorts)) == len(shorts) == 1 + 2 + 4 + 8  # the short waves' first sends: fresh
+    # on an engine without a prompt cache the samples are those of fresh prompts: the same fit
+    model, _ = fit_step_model(s["decode"], s["prefill"], s["gaps"])
+    for k in (1, 3, 8):
+        for ctx in (40 * k, 352 * k):
+            assert model.decode_s(k, ctx) == pytest.approx(TRUTH.decode_s(k, ctx), rel=1e-3), (k, ctx)
+
+
+def test_other_engines_send_every_wave_fresh() -> None:
+    engine = SimulatedEngine(TRUTH, 4)
+    sent: list[tuple[int, ...]] = []
+    for name in ("transformers", "vllm"):
+        sent.clear()
+        prof.collect_samples(lambda reqs, k: sent.extend(r.prompt_ids for r in reqs if r.max_tokens == prof.DECODE_TOKENS)
+                             or engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
+                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0),
+                             protocol=prof.SIDES[name].protocol)
+        assert len(sent) == 2 * 2 * (1 + 2 + 4) and len(set(sent)) == len(sent), name
+
+
 def test_a_profile_fitted_by_older_rules_is_fitted_again_from_its_samples_without_measuring(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tuner.config import TrialConfig

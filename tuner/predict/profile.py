@@ -4,9 +4,10 @@ Measured on the real engine, opened through the registry's backend (`Backend.ope
 for a server, the model loaded by the engine module for an in-process engine; the profile never reaches into the
 model) at the largest batch cap to cover, over its streaming interface with the real load generator:
 * **decode**: waves of k fresh prompts sent together (k = 1, 2, 4, ... up to the batch cap), at two prompt lengths,
-  `DECODE_TOKENS` out each. Only the streamed gaps that fall while all k requests decode (after the wave's last first
-  token, before its first finish) are kept: each is one step of k sequences; their medians per quarter of the
-  output give (k, context tokens summed, step seconds) samples.
+  `DECODE_TOKENS` out each (version 5, llama.cpp: a repeated wave sends its prompts again and a wider wave the
+  narrower one's long prompts, served by its prompt cache: `LLAMACPP_PROTOCOL`). Only the streamed gaps that fall
+  while all k requests decode (after the wave's last first token, before its first finish) are kept: each is one
+  step of k sequences; their medians per quarter of the output give (k, context tokens summed, step seconds) samples.
 * **prefill**: single requests of several prompt lengths (one token out) on the idle engine: TTFT against tokens
   (and the engine's own prompt time beside it where it reports one: llama-server's `prompt_ms`).
 * **mixed** (version 3): prompts of those lengths sent, open loop, into a wave of running decodes (1 and the cap
@@ -55,7 +56,8 @@ from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
 
-VERSION = 4  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms
+VERSION = 5  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
+# 5: the engine's own protocol (`Side.protocol`: llama.cpp's waves send prompts again, served by its prompt cache)
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -76,11 +78,18 @@ class Protocol:
     prefill_repeats: int = PREFILL_REPEATS
     decode_waves: int = DECODE_WAVES
     mixed: bool = True  # measure mixed steps (False: a profile of version 2's protocol)
+    reuse_prompts: bool = False  # waves send prompts already sent (an engine's prompt cache serves them): see waves
 
     def __post_init__(self) -> None:
         for name in ("prefill_repeats", "decode_waves"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise TunerError(f"profile protocol {name}={getattr(self, name)!r} is invalid: expected an integer >= 1")
+
+    def waves(self, decode_prompts: list[int]) -> list[int]:
+        """The order of the decode waves' prompt lengths at each concurrency: as given, or (reuse_prompts) the
+        longest first, so the short waves' fresh prompts take slots that hold no long prompt a wider wave sends
+        again."""
+        return sorted(decode_prompts, reverse=True) if self.reuse_prompts else list(decode_prompts)
 
 
 def concurrencies(batch_cap: int) -> list[int]:
@@ -115,6 +124,7 @@ class Side:
     facts: Callable[[Any], dict[str, Any]]  # read from the running engine: its launch, KV capacity, token budget
     limits: Callable[[dict[str, Any], TrialConfig], dict[str, Any]]  # see scheduler_limits
     in_process: bool = False  # the engine runs in the measuring process: measured in a fresh child (measure_profile)
+    protocol: Protocol = Protocol()  # what its profile measures (see LLAMACPP_PROTOCOL)
 
 
 def llamacpp_identity(config: TrialConfig) -> dict[str, Any]:
@@ -223,10 +233,20 @@ def vllm_limits(profile: dict[str, Any], config: TrialConfig) -> dict[str, Any]:
                       f"VLLM_CPU_KVCACHE_SPACE={gib}{scaled_note}"}
 
 
+# The long decode waves are what a profile spends most on: at -np 16 they prefill 19,840 of the decode waves' 21,824
+# prompt tokens (llama-server -t 1's Q4_1 about 2 minutes at 5-6 ms a token), and each is there for the decode steps
+# after it. llama-server keeps each slot's last prompt (cache_prompt) and sends a prompt to the slot holding the most of
+# it: a wave sent again prefills one token a sequence and decodes over the same context, and a wider wave that sends
+# the narrower one's long prompts again prefills only its new ones (5,120 long-prompt tokens in all at -np 16). The
+# long waves cannot simply be left out at wide batches: fitted without the long waves above 4 sequences, six
+# version-4 llama.cpp profiles predicted those waves' steps -7% to +15% off (median per profile; worst +36%; the full
+# fit, in sample, +0% to +6%): the slope at 1-4 sequences differs from the one at 8-16
+# (benchmarks/bench_profile_protocol.py).
+LLAMACPP_PROTOCOL = Protocol(reuse_prompts=True)
 SIDES: dict[str, Side] = {
     "llamacpp": Side("-np", llamacpp_identity, lambda engine, cap: (engine.ctx_tokens or 0) // cap,
                      lambda engine, index: (engine.request_timings().get(f"r{index}") or {}).get("prompt_ms"),
-                     llamacpp_facts, llamacpp_limits),
+                     llamacpp_facts, llamacpp_limits, protocol=LLAMACPP_PROTOCOL),
     "transformers": Side("max_requests_per_batch", transformers_identity, lambda engine, cap: None,
                          lambda engine, index: None, transformers_facts, transformers_limits, in_process=True),
     "vllm": Side("--max-num-seqs", vllm_identity, lambda engine, cap: None, lambda engine, index: None, vllm_facts,
@@ -275,7 +295,7 @@ def step_model(profile: dict[str, Any]) -> StepModel:
 
 def fresh_prompts(pool: list[int], n: int, prompt_tokens: int, max_tokens: int, rng: random.Random) -> list[Request]:
     """`n` prompts of exactly `prompt_tokens` tokens, random windows of the real-text corpus (no shared prefix, so
-    llama-server's prompt cache has nothing to reuse)."""
+    llama-server's prompt cache has nothing to reuse until a wave is sent again: `Protocol.reuse_prompts`)."""
     out = []
     for i in range(n):
         start = rng.randrange(0, max(1, len(pool) - prompt_tokens))
@@ -394,7 +414,7 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     prefill samples, decode waves at each concurrency, then mixed waves (prompts joining running decodes). `room`:
     the context one sequence may hold (None: no limit of its own).
     `engine_prompt_ms(index)`: the engine's own prompt time of the last run's request `index`, kept beside TTFT."""
-    serve(fresh_prompts(pool, max(2, batch_cap), 64, 8, rng), batch_cap)  # warm-up, not kept
+    serve(fresh_prompts(pool, max(2, batch_cap), 16, 8, rng), batch_cap)  # warm-up (every slot), not kept
     prefill: list[dict[str, Any]] = []
     t = time.perf_counter()
     for p in prefill_lengths:
@@ -407,11 +427,21 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     decode: list[dict[str, Any]] = []
     gaps: list[tuple[int, int, float]] = []
     decoding_s: dict[int, float] = {}  # per concurrency: the longest its decode waves took until all decoded
+    reqs: list[Request] = []
+    sent_long: list[Request] = []  # reuse_prompts: the long prompts sent so far, each wider wave's first ones
     t = time.perf_counter()
     for k in concurrencies(batch_cap):
-        for p in decode_prompts:
-            for _ in range(protocol.decode_waves):
-                results = serve(fresh_prompts(pool, k, p, DECODE_TOKENS, rng), k)
+        t_k = time.perf_counter()
+        for p in protocol.waves(decode_prompts):
+            for i in range(protocol.decode_waves):
+                if not protocol.reuse_prompts:
+                    reqs = fresh_prompts(pool, k, p, DECODE_TOKENS, rng)
+                elif i == 0 and p == decode_prompts[0]:  # fresh: the mixed waves are paced by how long these took
+                    reqs = fresh_prompts(pool, k, p, DECODE_TOKENS, rng)
+                elif i == 0:
+                    again = sent_long[:k] + fresh_prompts(pool, k - min(k, len(sent_long)), p, DECODE_TOKENS, rng)
+                    reqs = sent_long = [Request(j, "", r.prompt_ids, r.max_tokens, None) for j, r in enumerate(again)]
+                results = serve(reqs, k)  # reuse_prompts: a repeat sends the same prompts again
                 wave = wave_gaps(results, p)
                 gaps += wave
                 decode += [dict(s, prompt_tokens=p) for s in decode_samples(wave)]
@@ -419,7 +449,7 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
                     decoding_s[k] = max(decoding_s.get(k, 0.0), max(r.send_s + r.ttft_ms / 1e3 for r in results))
         kept = [g[2] for g in gaps if g[0] == k]
         log(f"decode at {k} sequences: {len(kept)} steps kept, median "
-            f"{statistics.median(kept) * 1e3 if kept else float('nan'):.1f} ms")
+            f"{statistics.median(kept) * 1e3 if kept else float('nan'):.1f} ms ({time.perf_counter() - t_k:.1f} s)")
     decode_s = time.perf_counter() - t
     t = time.perf_counter()
     mixed = collect_mixed(serve, pool, batch_cap, prefill_lengths, decode_prompts, prefill, gaps, decoding_s, room,
@@ -455,13 +485,14 @@ def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool:
 
 
 def measure_profile(config: TrialConfig, batch_cap: int, log: Callable[[str], None] = lambda s: None,
-                    protocol: Protocol = Protocol()) -> dict[str, Any]:
+                    protocol: Protocol | None = None) -> dict[str, Any]:
     """Open `config`'s engine through its backend at batch cap `batch_cap`, start it, measure, stop it; the profile
     (unwritten). An engine that runs in this process (transformers) is measured in a fresh child process
     (`measure_in_child`): torch ops this process ran before on its main thread (a model loaded, a quality score, a
     bandwidth probe) left an intra-op thread pool that the engine's generation thread then shares the cores with --
     a profile taken inside the test process predicted transformers' TPOT at 95-103 ms where `tuner bench` in a fresh
     process measured 69-70 (the same fault tuner.measure.bench.memory_bandwidth avoids)."""
+    protocol = protocol or side(config).protocol
     if side(config).in_process:
         return measure_in_child(config, batch_cap, protocol, log)
     return measure_here(config, batch_cap, log, protocol)
@@ -504,12 +535,13 @@ def measure_in_child(config: TrialConfig, batch_cap: int, protocol: Protocol,
 
 
 def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None] = lambda s: None,
-                 protocol: Protocol = Protocol()) -> dict[str, Any]:
+                 protocol: Protocol | None = None) -> dict[str, Any]:
     """measure_profile in this process."""
     from tuner.measure.loadgen import run_load
     from tuner.measure.workload import token_pool
 
     part = side(config)
+    protocol = protocol or part.protocol
     key = profile_key(config)
     t_start = time.perf_counter()
     served = config.replace(batch_cap=batch_cap)
@@ -633,7 +665,7 @@ def other_profiles(key: dict[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
 
 
 def load_or_measure(config: TrialConfig, batch_cap: int, refresh: bool = False,
-                    log: Callable[[str], None] = lambda s: None, protocol: Protocol = Protocol()) -> dict[str, Any]:
+                    log: Callable[[str], None] = lambda s: None, protocol: Protocol | None = None) -> dict[str, Any]:
     """The cached profile for `config` on this host and build covering `batch_cap` sequences, else a new one
     (measured, written, and its notes say why it was measured). `profile["cached"]` says which."""
     from tuner.files import write_json_atomic
