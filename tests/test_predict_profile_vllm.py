@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import re
@@ -39,7 +38,7 @@ MODEL = "smollm2-135m"
 CONFIG = TrialConfig(model=MODEL, engine="vllm", quant="bf16", batch_cap=2, kv_fraction=0.02)
 FLAGS = ["--model", MODEL, "--engine", "vllm", "--quant", "bf16", "--batch-cap", "2", "--kv-fraction", "0.02"]
 WORKLOAD = ["--requests", "24", "--input-len", "64:128", "--output-len", "16:32", "--seed", "0"]
-QUICK = dataclasses.replace(prof.SIDES["vllm"].protocol, prefill_repeats=2, decode_waves=1)  # vLLM's, shorter
+QUICK = prof.Protocol(prefill_repeats=2, decode_waves=1)
 TRUTH = StepModel(decode_base_s=0.010, decode_per_seq_s=0.002, decode_per_context_token_s=2e-6,
                   prefill_base_s=0.003, prefill_per_token_s=1e-4, noise_sigma=0.1)
 

@@ -38,13 +38,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def protocol_words(p: dict[str, Any]) -> str:
-    """What the profile's protocol reused (version 5: `tuner.predict.profile.Side.protocol`)."""
-    proto = p.get("protocol") or {}
-    words = ["waves sent again served by the prompt cache"] if proto.get("reuse_prompts") else []
-    return "".join(f"; {w}" for w in words)
-
-
 def format_profile(p: dict[str, Any]) -> str:
     m, fit, key = p["fit"]["model"], p["fit"], p["key"]
     cost = p.get("cost_s") or {}
@@ -52,7 +45,9 @@ def format_profile(p: dict[str, Any]) -> str:
              f"  {key['engine']} {spoken(key['build'])}, model {spoken(key['model'])}, {spoken(key['format'])}, host "
              f"{key['host']['cpu_model']} x{key['host']['cores']}",
              f"  measured {p.get('measured_at')}" + (f" (fitted again {p['fitted_at']})" if p.get("fitted_at") else "")
-             + f" at batch cap {p['batch_cap']} (sequences {p['concurrencies']}{protocol_words(p)}) in "
+             + f" at batch cap {p['batch_cap']} (sequences {p['concurrencies']}"
+             + ("; waves sent again served by the prompt cache" if (p.get("protocol") or {}).get("reuse_prompts") else "")
+             + f") in "
              f"{cost.get('total', 0):.0f} s (startup {cost.get('startup', 0):.0f}, prefill {cost.get('prefill', 0):.0f}, "
              f"decode {cost.get('decode', 0):.0f}, mixed {cost.get('mixed', 0):.0f})",
              "  decode step = " + (", ".join(f"{t * 1e3:.1f} ms at {k}" for k, t in m["decode_by_batch_s"]) + " sequences"

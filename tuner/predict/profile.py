@@ -434,14 +434,14 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
         t_k = time.perf_counter()
         for p in protocol.waves(decode_prompts):
             for i in range(protocol.decode_waves):
-                if not protocol.reuse_prompts:
-                    reqs = fresh_prompts(pool, k, p, DECODE_TOKENS, rng)
-                elif i == 0 and p == decode_prompts[0]:  # fresh: the mixed waves are paced by how long these took
-                    reqs = fresh_prompts(pool, k, p, DECODE_TOKENS, rng)
-                elif i == 0:
+                if i and protocol.reuse_prompts:
+                    pass  # a repeat sends the same prompts again
+                elif protocol.reuse_prompts and p != decode_prompts[0]:  # the narrower long wave's prompts first
                     again = sent_long[:k] + fresh_prompts(pool, k - min(k, len(sent_long)), p, DECODE_TOKENS, rng)
                     reqs = sent_long = [Request(j, "", r.prompt_ids, r.max_tokens, None) for j, r in enumerate(again)]
-                results = serve(reqs, k)  # reuse_prompts: a repeat sends the same prompts again
+                else:  # fresh (the short waves' first sends too: the mixed waves are paced by how long they took)
+                    reqs = fresh_prompts(pool, k, p, DECODE_TOKENS, rng)
+                results = serve(reqs, k)
                 wave = wave_gaps(results, p)
                 gaps += wave
                 decode += [dict(s, prompt_tokens=p) for s in decode_samples(wave)]
@@ -534,14 +534,13 @@ def measure_in_child(config: TrialConfig, batch_cap: int, protocol: Protocol,
         lines.join_thread()
 
 
-def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None] = lambda s: None,
-                 protocol: Protocol | None = None) -> dict[str, Any]:
+def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None], protocol: Protocol
+                 ) -> dict[str, Any]:
     """measure_profile in this process."""
     from tuner.measure.loadgen import run_load
     from tuner.measure.workload import token_pool
 
     part = side(config)
-    protocol = protocol or part.protocol
     key = profile_key(config)
     t_start = time.perf_counter()
     served = config.replace(batch_cap=batch_cap)
