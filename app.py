@@ -514,8 +514,11 @@ def capacity_block(v: TrialView, d: dict[str, Any], info: StudyInfo) -> None:
     """Capacity with CI and verdict, quality gate, engine, and the probes of the capacity search."""
     cap, gate = d["capacity"], d["gate"] or {}
     cols = st.columns(4)
+    again = d["in_trial_requests_per_s"]
     cols[0].metric("capacity (req/s)", f"{cap['requests_per_s']:.3f}" if cap and cap["requests_per_s"] is not None
                    else "—", help=cap["text"] if cap else "not measured by capacity (an older study)")
+    if again is not None:
+        st.caption(f"capacity re-measured after the search (the figure shown); its trial measured {again:.3f} req/s")
     lo, hi = cap["ci_rps"] if cap else (None, None)
     cols[1].metric("capacity CI (req/s)", f"{curves.fmt(lo, '.3f')} – {curves.fmt(hi, '.3f', 'open')}" if cap else "—")
     cols[2].metric("SLO verdict / quality gate", f"{(cap or {}).get('verdict') or '—'} / {gate.get('verdict') or '—'}",

@@ -456,6 +456,19 @@ def test_detail_latencies_quality_tasks(mixed):
     assert ecdf([3.0, 1.0, 2.0]) == ([1.0, 2.0, 3.0], [1 / 3, 2 / 3, 1.0])
     assert not detail(views[0])["uses_draft"]
     assert detail(views[6])["reason"].startswith("out of memory") and detail(views[6])["capacity"] is None
+    assert detail(views[4])["in_trial_requests_per_s"] is None  # not re-measured after the search
+
+
+def test_detail_of_a_trial_re_measured_after_the_search_shows_the_re_measure_and_its_trial(mixed):
+    # tuner.search.confirm re-measured trial 1 (2.0 req/s in its trial) at 1.6: the page shows 1.6 and says 2.0
+    study, _, _ = mixed
+    again = _capacity(1.6, 1400, 16.0)
+    views = trial_views(study.get_trials(deepcopy=False),
+                        {**study.user_attrs, "confirmed": {"1": {"capacity": again, "metrics": _metrics(16.0, 1400),
+                                                                 "constraints": [-0.5, -1.0, 0.0]}}})
+    d = detail(views[1])
+    assert d["capacity"]["requests_per_s"] == 1.6 and d["in_trial_requests_per_s"] == 2.0
+    assert detail(views[2])["in_trial_requests_per_s"] is None
 
 
 def test_why_reuses_the_search_answer(mixed):
@@ -764,11 +777,16 @@ def expected(storage: str, name: str) -> dict:
     trials = study.get_trials(deepcopy=False)
     x, y = default_xy(study.user_attrs, trials)
     plotted = [t for t in trials if _leaf(t.user_attrs, x) is not None and _leaf(t.user_attrs, y) is not None]
-    feasible = [t for t in plotted if t.state.name == "COMPLETE" and t.user_attrs.get("constraints") is not None
-                and all(c <= 0 for c in t.user_attrs["constraints"])]
+    confirmed = study.user_attrs.get("confirmed") or {}
+
+    def ok(t) -> bool:  # feasible, judged on its re-measure after the search where it has one (tuner.search.confirm)
+        cons = (confirmed.get(str(t.number)) or t.user_attrs).get("constraints")
+        return t.state.name == "COMPLETE" and cons is not None and all(c <= 0 for c in cons)
+
+    feasible = [t for t in plotted if ok(t)]
     probes = {t.number: t.user_attrs["capacity"].get("probes") or [] for t in trials
               if isinstance(t.user_attrs.get("capacity"), dict)}
-    return {"study": study, "trials": trials, "plotted": plotted, "feasible": feasible, "x": x, "y": y,
+    return {"study": study, "trials": trials, "plotted": plotted, "feasible": feasible, "x": x, "y": y, "ok": ok,
             "complete": [t for t in trials if t.state.name == "COMPLETE"], "probes": probes,
             "recommended": study.user_attrs.get("recommended_trial")}
 
@@ -889,8 +907,7 @@ def test_dashboard_in_a_real_browser(searched, page, tmp_path):
             header = page.locator('[data-testid="stDataFrame"]:visible table').first.inner_text()
             assert "capacity req/s" in header and "SLO verdict" in header and "engine" in header, header[:500]
         pick(page, "Feasibility", "infeasible", re.compile(r"^infeasible$"))
-        n_inf = n - sum(t.state.name == "COMPLETE" and t.user_attrs.get("constraints") is not None
-                        and all(c <= 0 for c in t.user_attrs["constraints"]) for t in exp["trials"])
+        n_inf = n - sum(exp["ok"](t) for t in exp["trials"])
         page.get_by_text(f"{n_inf} of {n} trials shown", exact=False).wait_for()
         if n_inf:
             assert table_rows_shown(page, n_inf) == n_inf
@@ -912,9 +929,13 @@ def test_dashboard_in_a_real_browser(searched, page, tmp_path):
         tab(page, "Trial detail")
         page.get_by_text(f"Trial {other.number} — COMPLETE", exact=False).wait_for()
         assert page.get_by_text("capacity (req/s)").count() >= 1 and page.get_by_text("peak RSS").count() >= 1
-        if by_capacity:
-            rps = other.user_attrs["capacity"].get("requests_per_s")
+        if by_capacity:  # a trial re-measured after the search (--confirm) shows the re-measure and its trial's
+            again = (exp["study"].user_attrs.get("confirmed") or {}).get(str(other.number))
+            rps = (again or other.user_attrs)["capacity"].get("requests_per_s")
             page.get_by_text(f"{rps:.3f}" if rps is not None else "—", exact=True).first.wait_for()
+            if again:
+                own = other.user_attrs["capacity"]["requests_per_s"]
+                page.get_by_text(f"its trial measured {own:.3f} req/s", exact=False).first.wait_for()
         n_req = len(other.user_attrs.get("requests") or [])
         if n_req:  # per-request latencies, when the search keeps them
             cdf = page.locator('[data-testid="stPlotlyChart"]:visible .js-plotly-plot').first

@@ -174,4 +174,8 @@ def detail(v: TrialView) -> dict[str, Any]:
         "engine": v.engine, "engine_label": v.engine_label, "duration_s": v.duration_s,
         "gate": dict(r.quality["gate"]) if isinstance(r.quality.get("gate"), Mapping) else None,
         "capacity": capacity_summary(v.capacity),
+        # the trial was re-measured after the search (tuner.search.confirm): `capacity` is that re-measure, and this
+        # is what its trial measured (None when it was not re-measured)
+        "in_trial_requests_per_s": (num(v.row.trial_capacity.get("requests_per_s"))
+                                    if v.row.trial_capacity is not None else None),
     }
