@@ -107,41 +107,52 @@ def test_predicted_ttft_band_holds_on_the_real_engine_at_two_rates(tmp_path: Pat
         assert m_lo <= hi and m_hi >= lo, report  # the measured interval meets the predicted band
 
 
-def test_prompts_sent_again_are_served_from_llama_servers_prompt_cache() -> None:
-    """The premise of llama.cpp's profile protocol (tuner.predict.profile.LLAMACPP_PROTOCOL): decode-wave prompts
-    sent again to llama-server prefill next to nothing (each goes back to the slot that kept it) -- a wave sent
-    twice, and a wider wave that sends the narrower one's prompts first -- so the profile measures the same decode
-    steps without paying their prefill again. The engine's own timings say what it prefilled (`prompt_n`) and what
-    its cache served (`cache_n`)."""
+def test_a_prefix_copied_into_llama_servers_slots_serves_prompts_as_its_own_prompt_cache_does(tmp_path: Path) -> None:
+    """The premise of llama.cpp's profile protocol (tuner.predict.profile.LLAMACPP_PROTOCOL): once a prefix's KV
+    cache is copied into the slots (one prefill, saved, then restored into each: `LlamaCppEngine.copy_prompt`), a
+    wave of prompts that share it prefills only their own tails, whichever slot each lands in, and decodes exactly
+    what it decodes when the slots' own prompt cache holds the prefix (greedy: the same tokens; a full prefill of
+    the same prompts may differ from both after a few tokens, here as with any prompt-cache hit: a 4-token prefill's
+    arithmetic is not a 320-token one's). The engine's own timings say what it prefilled (`prompt_n`) and what its
+    cache served (`cache_n`)."""
     import random
 
     from tuner.config import TrialConfig
     from tuner.engines.registry import backend
     from tuner.measure.loadgen import run_load
     from tuner.measure.workload import Request, token_pool
-    from tuner.predict.profile import DECODE_PROMPTS, DECODE_TOKENS, fresh_prompts
+    from tuner.predict.profile import DECODE_PROMPTS, DECODE_TOKENS, SHARED_TAIL, DecodePrompts, llamacpp_copies
 
-    prompt = max(DECODE_PROMPTS)
+    long = max(DECODE_PROMPTS)
     config = TrialConfig(model="smollm2-135m", engine="llamacpp", quant="Q8_0", batch_cap=4, threads=1)
     engine, _model, tokenizer = backend("llamacpp").open(config, ignore_eos=True)
-    pool, rng = token_pool(tokenizer), random.Random(0)
-    narrow = fresh_prompts(pool, 2, prompt, DECODE_TOKENS, rng)
-    wide = [Request(i, "", r.prompt_ids, DECODE_TOKENS, None)
-            for i, r in enumerate(narrow + fresh_prompts(pool, 2, prompt, DECODE_TOKENS, rng))]
+    copy = llamacpp_copies(engine, tmp_path)
+    assert engine.argv[-2:] == ["--slot-save-path", str(tmp_path)]
+    prompts = DecodePrompts(token_pool(tokenizer), random.Random(0), True)  # no copies of its own
+    full, again = prompts(4, long, DECODE_TOKENS), prompts(4, long, DECODE_TOKENS)
     engine.start()
     try:
         runs = []
-        for wave in (narrow, narrow, wide, wide):
-            results = run_load(engine, wave, concurrency=len(wave), progress=False).results
+
+        def wave(reqs: list[Request]) -> None:
+            load = run_load(engine, [Request(i, "", r.prompt_ids, r.max_tokens, None) for i, r in enumerate(reqs)],
+                            concurrency=len(reqs), progress=False)
+            results = sorted(load.results, key=lambda r: r.index)
             assert all(r.ok and r.output_tokens == DECODE_TOKENS for r in results)
             timings = engine.request_timings()
-            runs.append([(timings[f"r{r.index}"].get("prompt_n"), timings[f"r{r.index}"].get("cache_n"), r.ttft_ms)
-                         for r in results])
+            runs.append([(timings[f"r{r.index}"].get("prompt_n"), timings[f"r{r.index}"].get("cache_n"), r.ttft_ms,
+                          tuple(ids)) for r, ids in zip(results, load.token_ids)])
+
+        wave(full)  # nothing cached: prefilled whole
+        wave(again)  # the same prefix, new tails: each slot's own prompt cache holds the prefix
+        wave(prompts(4, min(DECODE_PROMPTS), DECODE_TOKENS))  # every slot holds another prompt now
+        copy(prompts.prefixes[long], 4)
+        wave(again)
     finally:
         engine.stop(drain=False)
-    first, again, wider, wider_again = runs
-    assert all(n >= prompt - 1 for n, _, _ in first), runs  # fresh: prefilled whole
-    for served in (again, wider[:2], wider_again):  # sent again: from the cache
-        assert all(n <= 2 and c >= prompt - 2 for n, c, _ in served), runs
-    assert all(n >= prompt - 1 for n, _, _ in wider[2:]), runs  # the wider wave's new prompts: prefilled
-    assert max(t for _, _, t in again) < 0.5 * max(t for _, _, t in first), runs
+    first, cached, other, copied = runs
+    assert all(n >= long - 1 for n, *_ in first) and all(n >= min(DECODE_PROMPTS) - 1 for n, *_ in other), runs
+    for served in (cached, copied):
+        assert all(n <= SHARED_TAIL + 1 and c >= long - SHARED_TAIL - 1 for n, c, *_ in served), runs
+    assert [ids for *_, ids in copied] == [ids for *_, ids in cached]
+    assert max(t for _, _, t, _ in copied) < 0.5 * min(t for _, _, t, _ in first), runs

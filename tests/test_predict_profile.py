@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tuner.errors import TunerError
 from tuner.predict import profile as prof
 from tuner.predict.fit import bootstrap_models, fit_step_model
 from tuner.predict.simulate import SimulatedEngine, StepModel
@@ -81,32 +82,65 @@ def test_a_context_slope_per_batch_size_is_fitted_only_where_the_samples_reject_
     assert model.decode_per_context_token_s == pytest.approx(shared.decode_per_context_token_s, rel=0.25)
 
 
-def test_llamacpps_protocol_sends_prompts_again_where_its_prompt_cache_serves_them() -> None:
-    # prof.LLAMACPP_PROTOCOL: at each concurrency the long wave first, sent twice; a wider long wave sends the narrower
-    # one's prompts again first; the short wave's first send fresh (the mixed waves are paced by how long it took)
+def test_llamacpps_protocol_copies_a_prefix_per_prompt_length_into_the_slots_before_each_wave() -> None:
+    # prof.LLAMACPP_PROTOCOL: the decode prompts of one length share all but their last SHARED_TAIL tokens, and before
+    # each wave the engine is asked to copy that prefix into as many slots as the wave holds; the mixed waves'
+    # decodes are the short waves' kind, their probes fresh
     engine = SimulatedEngine(TRUTH, 8)
-    waves: list[tuple[int, int, tuple[tuple[int, ...], ...]]] = []  # (sequences, prompt tokens, prompts)
+    events: list[tuple[str, int, Any]] = []  # ("copy", slots, prefix) / ("wave", k or None, requests)
 
     def serve(reqs: list[Any], k: int | None) -> list[Any]:
-        if k is not None and reqs[0].max_tokens == prof.DECODE_TOKENS:
-            waves.append((k, len(reqs[0].prompt_ids), tuple(r.prompt_ids for r in reqs)))
+        events.append(("wave", k, list(reqs)))
         return engine.run(reqs, concurrency=k).results
 
     s = prof.collect_samples(serve, list(range(20_000)), 8, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
-                             random.Random(0), protocol=prof.LLAMACPP_PROTOCOL)
+                             random.Random(0), protocol=prof.LLAMACPP_PROTOCOL,
+                             copy=lambda prefix, slots: events.append(("copy", slots, prefix)))
     short, long = prof.DECODE_PROMPTS
-    assert [(k, p) for k, p, _ in waves] == [(k, p) for k in (1, 2, 4, 8) for p in (long, long, short, short)]
-    assert all(waves[i][2] == waves[i + 1][2] for i in range(0, len(waves), 2))  # every wave sent twice
-    longs = [w for k, p, w in waves[::2] if p == long]
-    assert all(wider[:len(narrower)] == narrower for narrower, wider in zip(longs, longs[1:]))
-    assert len({ids for w in longs for ids in w}) == 8  # 8 long prompts in all: the widest wave's
-    shorts = [ids for k, p, w in waves[::2] if p == short for ids in w]
-    assert len(set(shorts)) == len(shorts) == 1 + 2 + 4 + 8  # the short waves' first sends: fresh
+    tail = prof.SHARED_TAIL
+    decode = [(i, k, r) for i, (what, k, r) in enumerate(events)
+              if what == "wave" and k is not None and r[0].max_tokens == prof.DECODE_TOKENS]
+    assert [(k, len(r[0].prompt_ids)) for _, k, r in decode] == [
+        (k, p) for k in (1, 2, 4, 8) for p in (short, short, long, long)]
+    for i, k, reqs in decode:  # each wave: its prefix copied into k slots just before
+        assert events[i - 1][:2] == ("copy", k) and all(r.prompt_ids[:-tail] == events[i - 1][2] for r in reqs)
+    for p in (short, long):
+        sent = [r.prompt_ids for _, k, reqs in decode for r in reqs if len(r.prompt_ids) == p]
+        assert len({ids[:-tail] for ids in sent}) == 1  # one prefix per length
+        assert len({ids[-tail:] for ids in sent}) == len(sent) == 2 * (1 + 2 + 4 + 8)  # fresh tails
+    mixed = [(i, r) for i, (what, k, r) in enumerate(events) if what == "wave" and k is None]
+    assert [sum(q.max_tokens > 1 for q in r) for _, r in mixed] == [1, 1, 7, 7]
+    short_prefix = decode[0][2][0].prompt_ids[:-tail]
+    for i, reqs in mixed:
+        k = sum(q.max_tokens > 1 for q in reqs)
+        assert events[i - 1] == ("copy", k, short_prefix)  # the decodes start as the short waves' did
+        assert all(q.prompt_ids[:-tail] == short_prefix for q in reqs[:k])
+        assert all(q.prompt_ids[:8] != short_prefix[:8] for q in reqs[k:])  # the probes: fresh prompts
+    assert s["mixed"] and s["notes"] == []
     # on an engine without a prompt cache the samples are those of fresh prompts: the same fit
     model, _ = fit_step_model(s["decode"], s["prefill"], s["gaps"])
     for k in (1, 3, 8):
         for ctx in (40 * k, 352 * k):
             assert model.decode_s(k, ctx) == pytest.approx(TRUTH.decode_s(k, ctx), rel=1e-3), (k, ctx)
+
+
+def test_a_copy_the_engine_refuses_stops_the_copies_and_the_profile_says_so() -> None:
+    engine = SimulatedEngine(TRUTH, 4)
+    calls = []
+
+    def refuse(prefix: tuple[int, ...], slots: int) -> None:
+        calls.append(slots)
+        raise TunerError("llama-server /slots/0?action=save: HTTP Error 501: This server does not support slot save")
+
+    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
+                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0),
+                             protocol=prof.LLAMACPP_PROTOCOL, copy=refuse)
+    assert calls == [1]  # not asked again
+    assert s["notes"] == ["prompt copies into the engine's slots stopped (llama-server /slots/0?action=save: HTTP "
+                          "Error 501: This server does not support slot save): decode prompts prefilled in full"]
+    assert len(s["decode"]) == len(prof.collect_samples(
+        lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 4, list(prof.PREFILL_TOKENS),
+        list(prof.DECODE_PROMPTS), random.Random(0), protocol=prof.LLAMACPP_PROTOCOL)["decode"])
 
 
 def test_other_engines_send_every_wave_fresh() -> None:

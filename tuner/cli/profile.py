@@ -46,7 +46,8 @@ def format_profile(p: dict[str, Any]) -> str:
              f"{key['host']['cpu_model']} x{key['host']['cores']}",
              f"  measured {p.get('measured_at')}" + (f" (fitted again {p['fitted_at']})" if p.get("fitted_at") else "")
              + f" at batch cap {p['batch_cap']} (sequences {p['concurrencies']}"
-             + ("; waves sent again served by the prompt cache" if (p.get("protocol") or {}).get("reuse_prompts") else "")
+             + ("; decode prompts sharing a prefix per length, copied into the slots"
+                if (p.get("protocol") or {}).get("shared_prefix") else "")
              + f") in "
              f"{cost.get('total', 0):.0f} s (startup {cost.get('startup', 0):.0f}, prefill {cost.get('prefill', 0):.0f}, "
              f"decode {cost.get('decode', 0):.0f}, mixed {cost.get('mixed', 0):.0f})",

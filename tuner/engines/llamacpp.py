@@ -1,7 +1,8 @@
 """llama.cpp's `llama-server` (ggml-org/llama.cpp@0c1e57098, built by `make llamacpp`) as a tuner engine.
 
 The engine launches exactly the argv `tuner export --to llamacpp` writes for the config (tuner.export.llamacpp), plus
-`--host 127.0.0.1 --port <free port>`, and drives the server's native `POST /completion` with the prompt as token
+`--host 127.0.0.1 --port <free port>` (an engine profile, never a measured trial, adds `--slot-save-path`:
+`allow_slot_copies`), and drives the server's native `POST /completion` with the prompt as token
 ids, streaming, `return_tokens` (token ids in every event), greedy sampling and `ignore_eos`.
 
 Knob mapping (recorded in the bench JSON under `engine.settings`):
@@ -169,6 +170,7 @@ class LlamaCppEngine(ServerEngine):
         self.paths: dict[str, str] = {}  # the files exported as serve.sh's parameters (tuner.export.llamacpp)
         self.digests: dict[str, str] = {}
         self.available_bytes: int | None = None
+        self.copies: set[str] = set()  # the prompt files copy_prompt saved in this server's slot-save directory
 
     def prepare(self) -> None:
         """Quantize (cached) and resolve the argv; raises UnsupportedConfig / TunerError."""
@@ -222,6 +224,44 @@ class LlamaCppEngine(ServerEngine):
     def info(self) -> dict[str, Any]:
         return {"build": f"llama.cpp {COMMIT}", **self.launch_info(), "ctx_tokens": self.ctx_tokens,
                 "gguf": {**self.facts, "path": str(self.gguf)}}
+
+    def allow_slot_copies(self, directory: Path) -> None:
+        """Before start (an engine profile only, never a measured trial): launch with --slot-save-path `directory`,
+        which enables llama-server's /slots save and restore actions and changes nothing else (`copy_prompt`)."""
+        if not self.argv:
+            self.prepare()
+        self.argv = self.argv + ["--slot-save-path", str(directory)]
+
+    def copy_prompt(self, prompt_ids: tuple[int, ...], slots: int, name: str) -> None:
+        """Give slots 0..slots-1 the KV cache of `prompt_ids` (the file `name` in the slot-save directory: made once,
+        by prefilling the prompt in slot 0 and saving that slot; then restored into each slot), as if each had
+        prefilled it. Raises TunerError with llama-server's answer when it refuses."""
+        import json
+        import urllib.error
+        import urllib.request
+
+        if self.server is None:
+            raise TunerError("copy_prompt: the llama-server is not started")
+
+        def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            req = urllib.request.Request(self.server.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return json.loads(r.read())
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                why = e.read().decode(errors="replace")[:200] if isinstance(e, urllib.error.HTTPError) else str(e)
+                raise TunerError(f"llama-server {path}: {why}") from None
+
+        first = 0
+        if name not in self.copies:
+            post("/completion", {"prompt": list(prompt_ids), "n_predict": 1, "id_slot": 0, "cache_prompt": True,
+                                 "temperature": 0.0})
+            post("/slots/0?action=save", {"filename": name})
+            self.copies.add(name)
+            first = 1
+        for slot in range(first, slots):
+            post(f"/slots/{slot}?action=restore", {"filename": name})
 
 
 # ------------------------------------------------------------------ the registry's engine API (registry.py) --- #

@@ -1,8 +1,9 @@
 """An engine profile: a short measurement of what drives a serving engine's speed on this host, fitted to a StepModel.
 
 Measured on the real engine, opened through the registry's backend (`Backend.open`: the argv `tuner bench` launches
-for a server, the model loaded by the engine module for an in-process engine; the profile never reaches into the
-model) at the largest batch cap to cover, over its streaming interface with the real load generator:
+for a server -- llama.cpp's with `--slot-save-path <a scratch directory>` added for the prompt copies, which enables
+llama-server's /slots save and restore and changes nothing else --, the model loaded by the engine module for an
+in-process engine; the profile never reaches into the model) at the largest batch cap to cover, over its streaming interface with the real load generator:
 * **decode**: waves of k fresh prompts sent together (k = 1, 2, 4, ... up to the batch cap), at two prompt lengths,
   `DECODE_TOKENS` out each (version 5, llama.cpp: a repeated wave sends its prompts again and a wider wave the
   narrower one's long prompts, served by its prompt cache: `LLAMACPP_PROTOCOL`). Only the streamed gaps that fall
@@ -43,6 +44,7 @@ import math
 import os
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,8 +58,9 @@ from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
 
-VERSION = 5  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
-# 5: the engine's own protocol (`Side.protocol`: llama.cpp's waves send prompts again, served by its prompt cache)
+VERSION = 6  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
+# 5: the engine's own protocol (`Side.protocol`: llama.cpp's waves send prompts again, served by its prompt cache);
+# 6: llama.cpp's decode prompts share a prefix per length, copied into its slots before each wave (slot restore)
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -68,6 +71,7 @@ BIN_PARTS = 4  # a wave's kept gaps are summarised per quarter of the output (th
 MIXED_PROBES = 2  # prompts sent one after another into one wave of running decodes
 MIXED_LEAD_STEPS = 4  # decode steps after the wave's decodes all run before the first prompt is sent
 MIXED_GAP_STEPS = 12  # decode steps between one prompt's expected first token and the next prompt
+SHARED_TAIL = 4  # Protocol.shared_prefix: each decode prompt's own tokens after the prefix of its length
 
 
 @dataclass(frozen=True)
@@ -78,18 +82,13 @@ class Protocol:
     prefill_repeats: int = PREFILL_REPEATS
     decode_waves: int = DECODE_WAVES
     mixed: bool = True  # measure mixed steps (False: a profile of version 2's protocol)
-    reuse_prompts: bool = False  # waves send prompts already sent (an engine's prompt cache serves them): see waves
+    shared_prefix: bool = False  # decode prompts of one length share all but their last SHARED_TAIL tokens, the
+    # prefix copied into the engine's slots before each wave where it can (`DecodePrompts`, LLAMACPP_PROTOCOL)
 
     def __post_init__(self) -> None:
         for name in ("prefill_repeats", "decode_waves"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise TunerError(f"profile protocol {name}={getattr(self, name)!r} is invalid: expected an integer >= 1")
-
-    def waves(self, decode_prompts: list[int]) -> list[int]:
-        """The order of the decode waves' prompt lengths at each concurrency: as given, or (reuse_prompts) the
-        longest first, so the short waves' fresh prompts take slots that hold no long prompt a wider wave sends
-        again."""
-        return sorted(decode_prompts, reverse=True) if self.reuse_prompts else list(decode_prompts)
 
 
 def concurrencies(batch_cap: int) -> list[int]:
@@ -125,6 +124,9 @@ class Side:
     limits: Callable[[dict[str, Any], TrialConfig], dict[str, Any]]  # see scheduler_limits
     in_process: bool = False  # the engine runs in the measuring process: measured in a fresh child (measure_profile)
     protocol: Protocol = Protocol()  # what its profile measures (see LLAMACPP_PROTOCOL)
+    # before start: let the engine copy a prompt's KV cache into its slots (in the scratch directory given) and
+    # return `copy(prompt ids, slots)`; None: it cannot (Protocol.shared_prefix then shares prefixes only)
+    copies: Callable[[Any, Path], Callable[[tuple[int, ...], int], None]] | None = None
 
 
 def llamacpp_identity(config: TrialConfig) -> dict[str, Any]:
@@ -233,20 +235,28 @@ def vllm_limits(profile: dict[str, Any], config: TrialConfig) -> dict[str, Any]:
                       f"VLLM_CPU_KVCACHE_SPACE={gib}{scaled_note}"}
 
 
-# The long decode waves are what a profile spends most on: at -np 16 they prefill 19,840 of the decode waves' 21,824
-# prompt tokens (llama-server -t 1's Q4_1 about 2 minutes at 5-6 ms a token), and each is there for the decode steps
-# after it. llama-server keeps each slot's last prompt (cache_prompt) and sends a prompt to the slot holding the most of
-# it: a wave sent again prefills one token a sequence and decodes over the same context, and a wider wave that sends
-# the narrower one's long prompts again prefills only its new ones (5,120 long-prompt tokens in all at -np 16). The
-# long waves cannot simply be left out at wide batches: fitted without the long waves above 4 sequences, six
-# version-4 llama.cpp profiles predicted those waves' steps -7% to +15% off (median per profile; worst +36%; the full
-# fit, in sample, +0% to +6%): the slope at 1-4 sequences differs from the one at 8-16
-# (benchmarks/bench_profile_protocol.py).
-LLAMACPP_PROTOCOL = Protocol(reuse_prompts=True)
+# The decode waves' prompts are what a profile spent most on: at -np 16 their prefill is 21,824 prompt tokens
+# (llama-server -t 1's Q4_1 about 2 minutes at 5-6 ms a token), each prompt there only for the decode steps after it,
+# and a step costs what its sequences' context lengths make it cost, whatever tokens they hold. So the decode prompts
+# of one length share all but their last SHARED_TAIL tokens, and before each wave (and each mixed wave's decodes) the
+# prefix's KV cache is copied into the slots the wave takes (`llamacpp_copies`: made once by one prefill, then
+# llama-server's /slots restore, ~2 ms a slot): each prompt prefills its tail only. Version 5 sent waves again instead
+# (5,120 long-prompt tokens prefilled at -np 16). The long waves cannot simply be left out at wide batches: fitted
+# without the long waves above 4 sequences, six version-4 profiles predicted those waves' steps -7% to +15% off
+# (median per profile; worst +36%; the full fit, in sample, +0% to +6%): the slope at 1-4 sequences differs from the
+# one at 8-16 (benchmarks/bench_profile_protocol.py).
+LLAMACPP_PROTOCOL = Protocol(shared_prefix=True)
+
+
+def llamacpp_copies(engine: Any, scratch: Path) -> Callable[[tuple[int, ...], int], None]:
+    engine.allow_slot_copies(scratch)
+    return lambda prompt_ids, slots: engine.copy_prompt(prompt_ids, slots, f"prefix-{len(prompt_ids)}.bin")
+
+
 SIDES: dict[str, Side] = {
     "llamacpp": Side("-np", llamacpp_identity, lambda engine, cap: (engine.ctx_tokens or 0) // cap,
                      lambda engine, index: (engine.request_timings().get(f"r{index}") or {}).get("prompt_ms"),
-                     llamacpp_facts, llamacpp_limits, protocol=LLAMACPP_PROTOCOL),
+                     llamacpp_facts, llamacpp_limits, protocol=LLAMACPP_PROTOCOL, copies=llamacpp_copies),
     "transformers": Side("max_requests_per_batch", transformers_identity, lambda engine, cap: None,
                          lambda engine, index: None, transformers_facts, transformers_limits, in_process=True),
     "vllm": Side("--max-num-seqs", vllm_identity, lambda engine, cap: None, lambda engine, index: None, vllm_facts,
@@ -294,14 +304,43 @@ def step_model(profile: dict[str, Any]) -> StepModel:
 
 
 def fresh_prompts(pool: list[int], n: int, prompt_tokens: int, max_tokens: int, rng: random.Random) -> list[Request]:
-    """`n` prompts of exactly `prompt_tokens` tokens, random windows of the real-text corpus (no shared prefix, so
-    llama-server's prompt cache has nothing to reuse until a wave is sent again: `Protocol.reuse_prompts`)."""
+    """`n` prompts of exactly `prompt_tokens` tokens, random windows of the real-text corpus (no shared prefix: an
+    engine's prompt cache has nothing to reuse)."""
     out = []
     for i in range(n):
         start = rng.randrange(0, max(1, len(pool) - prompt_tokens))
         ids = tuple(pool[start:start + prompt_tokens])
         out.append(Request(i, "", ids, max_tokens, None))
     return out
+
+
+class DecodePrompts:
+    """`self(n, prompt_tokens, max_tokens)`: a wave's `n` decode prompts. Fresh (`fresh_prompts`), or (shared_prefix)
+    each the prefix drawn once for its length followed by `SHARED_TAIL` fresh tokens, the prefix's KV cache first
+    copied into the engine's first `n` slots (`copy`, where the engine can) so each prompt prefills its tail only. A
+    copy the engine refuses stops the copies (`failed` says why): the prompts are then prefilled in full, as fresh
+    ones (slower; the same decode steps)."""
+
+    def __init__(self, pool: list[int], rng: random.Random, shared_prefix: bool,
+                 copy: Callable[[tuple[int, ...], int], None] | None = None) -> None:
+        self.pool, self.rng, self.shared_prefix, self.copy = pool, rng, shared_prefix, copy
+        self.prefixes: dict[int, tuple[int, ...]] = {}
+        self.failed: str | None = None
+
+    def __call__(self, n: int, prompt_tokens: int, max_tokens: int) -> list[Request]:
+        if not self.shared_prefix or prompt_tokens <= SHARED_TAIL:
+            return fresh_prompts(self.pool, n, prompt_tokens, max_tokens, self.rng)
+        if prompt_tokens not in self.prefixes:
+            self.prefixes[prompt_tokens] = fresh_prompts(self.pool, 1, prompt_tokens - SHARED_TAIL, 0,
+                                                         self.rng)[0].prompt_ids
+        prefix = self.prefixes[prompt_tokens]
+        if self.copy is not None and self.failed is None:
+            try:
+                self.copy(prefix, n)
+            except TunerError as e:
+                self.failed = str(e)
+        return [Request(r.index, "", prefix + r.prompt_ids, max_tokens, None)
+                for r in fresh_prompts(self.pool, n, SHARED_TAIL, max_tokens, self.rng)]
 
 
 def wave_gaps(results: list[Any], prompt_tokens: int) -> list[tuple[int, int, float]]:
@@ -346,8 +385,10 @@ def mixed_seqs(batch_cap: int) -> list[int]:
 
 
 def mixed_wave(pool: list[int], k: int, lengths: list[int], decoding_s: float, step_s: float,
-               ttft_s: Callable[[int], float], room: int, rng: random.Random) -> list[Request]:
-    """k decodes sent at once, then one prompt of each length (1 token out) sent while they run: the first
+               ttft_s: Callable[[int], float], room: int, rng: random.Random,
+               decodes: Callable[[int, int, int], list[Request]] | None = None) -> list[Request]:
+    """k decodes (`decodes(k, prompt tokens, max tokens)`: the decode waves' kind of prompts; fresh by default) sent
+    at once, then one fresh prompt of each length (1 token out) sent while they run: the first
     `MIXED_LEAD_STEPS` decode steps after `decoding_s` (when the k decode, as measured), the next
     `MIXED_GAP_STEPS` steps after the previous prompt's expected TTFT; the decodes ask for the tokens that outlast
     the last prompt (within `room`, the context one sequence may hold)."""
@@ -356,8 +397,8 @@ def mixed_wave(pool: list[int], k: int, lengths: list[int], decoding_s: float, s
         arrivals.append(t)
         t += ttft_s(p) + MIXED_GAP_STEPS * step_s
     out_tokens = min(room - DECODE_PROMPTS[0], math.ceil(t / step_s) + MIXED_LEAD_STEPS)
-    reqs = [Request(r.index, "", r.prompt_ids, r.max_tokens, 0.0)
-            for r in fresh_prompts(pool, k, DECODE_PROMPTS[0], out_tokens, rng)]
+    make = decodes or (lambda n, p, m: fresh_prompts(pool, n, p, m, rng))
+    reqs = [Request(r.index, "", r.prompt_ids, r.max_tokens, 0.0) for r in make(k, DECODE_PROMPTS[0], out_tokens)]
     for i, (p, at) in enumerate(zip(lengths, arrivals)):
         (probe,) = fresh_prompts(pool, 1, p, 1, rng)
         reqs.append(Request(k + i, "", probe.prompt_ids, 1, at))
@@ -408,12 +449,14 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
                     prefill_lengths: list[int], decode_prompts: list[int], rng: random.Random,
                     log: Callable[[str], None] = lambda s: None,
                     engine_prompt_ms: Callable[[int], float | None] = lambda index: None,
-                    protocol: Protocol = Protocol(), room: int | None = None) -> dict[str, Any]:
+                    protocol: Protocol = Protocol(), room: int | None = None,
+                    copy: Callable[[tuple[int, ...], int], None] | None = None) -> dict[str, Any]:
     """The profile's measurement protocol against `serve(requests, concurrency) -> results` (a real engine through
     the load generator, or a simulated one; concurrency None: open loop at the requests' arrival times): a warm-up,
     prefill samples, decode waves at each concurrency, then mixed waves (prompts joining running decodes). `room`:
     the context one sequence may hold (None: no limit of its own).
-    `engine_prompt_ms(index)`: the engine's own prompt time of the last run's request `index`, kept beside TTFT."""
+    `engine_prompt_ms(index)`: the engine's own prompt time of the last run's request `index`, kept beside TTFT.
+    `copy`: the engine's prompt copies (Side.copies) for `DecodePrompts`."""
     serve(fresh_prompts(pool, max(2, batch_cap), 16, 8, rng), batch_cap)  # warm-up (every slot), not kept
     prefill: list[dict[str, Any]] = []
     t = time.perf_counter()
@@ -426,22 +469,14 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     log("prefill TTFT: " + ", ".join(f"{s['prompt_tokens']} tokens {s['ttft_s'] * 1e3:.0f} ms" for s in prefill))
     decode: list[dict[str, Any]] = []
     gaps: list[tuple[int, int, float]] = []
-    decoding_s: dict[int, float] = {}  # per concurrency: the longest its decode waves took until all decoded
-    reqs: list[Request] = []
-    sent_long: list[Request] = []  # reuse_prompts: the long prompts sent so far, each wider wave's first ones
+    decoding_s: dict[int, float] = {}  # per concurrency: the longest its short waves took until all decoded
+    waves = DecodePrompts(pool, rng, protocol.shared_prefix, copy)
     t = time.perf_counter()
     for k in concurrencies(batch_cap):
         t_k = time.perf_counter()
-        for p in protocol.waves(decode_prompts):
-            for i in range(protocol.decode_waves):
-                if i and protocol.reuse_prompts:
-                    pass  # a repeat sends the same prompts again
-                elif protocol.reuse_prompts and p != decode_prompts[0]:  # the narrower long wave's prompts first
-                    again = sent_long[:k] + fresh_prompts(pool, k - min(k, len(sent_long)), p, DECODE_TOKENS, rng)
-                    reqs = sent_long = [Request(j, "", r.prompt_ids, r.max_tokens, None) for j, r in enumerate(again)]
-                else:  # fresh (the short waves' first sends too: the mixed waves are paced by how long they took)
-                    reqs = fresh_prompts(pool, k, p, DECODE_TOKENS, rng)
-                results = serve(reqs, k)
+        for p in decode_prompts:
+            for _ in range(protocol.decode_waves):
+                results = serve(waves(k, p, DECODE_TOKENS), k)
                 wave = wave_gaps(results, p)
                 gaps += wave
                 decode += [dict(s, prompt_tokens=p) for s in decode_samples(wave)]
@@ -453,20 +488,24 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     decode_s = time.perf_counter() - t
     t = time.perf_counter()
     mixed = collect_mixed(serve, pool, batch_cap, prefill_lengths, decode_prompts, prefill, gaps, decoding_s, room,
-                          rng, protocol)
+                          rng, protocol, waves)
     log("mixed steps: " + (", ".join(f"{s['seqs']} decoding + {s['prompt_tokens']} prompt tokens "
                                      f"{s['step_s'] * 1e3:.0f} ms" for s in mixed) or "none"))
-    return {"prefill": prefill, "decode": decode, "gaps": gaps, "mixed": mixed,
+    notes = ([f"prompt copies into the engine's slots stopped ({waves.failed}): decode prompts prefilled in full"]
+             if waves.failed else [])
+    return {"prefill": prefill, "decode": decode, "gaps": gaps, "mixed": mixed, "notes": notes,
             "cost_s": {"prefill": prefill_s, "decode": decode_s, "mixed": time.perf_counter() - t}}
 
 
 def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool: list[int], batch_cap: int,
                   prefill_lengths: list[int], decode_prompts: list[int], prefill: list[dict[str, Any]],
                   gaps: list[tuple[int, int, float]], decoding_s: dict[int, float], room: int | None,
-                  rng: random.Random, protocol: Protocol) -> list[dict[str, Any]]:
-    """Mixed waves (`mixed_wave`, sent open loop) at each of `mixed_seqs`, the prompt lengths in pairs, paced by
-    what the decode waves at the nearest concurrency at or above took (steps, time until all decoded) and by the
-    prefill TTFTs measured before."""
+                  rng: random.Random, protocol: Protocol,
+                  decodes: Callable[[int, int, int], list[Request]] | None = None) -> list[dict[str, Any]]:
+    """Mixed waves (`mixed_wave`, sent open loop; `decodes`: the decode waves' kind of prompts, so the decodes start
+    as those waves' did) at each of `mixed_seqs`, the prompt lengths in pairs, paced by what the short decode waves
+    at the nearest concurrency at or above took (steps, time until all decoded) and by the prefill TTFTs measured
+    before."""
     if not protocol.mixed or not gaps or not prefill or not decoding_s:
         return []
     median_ttft = {p: statistics.median(s["ttft_s"] for s in prefill if s["prompt_tokens"] == p)
@@ -479,7 +518,7 @@ def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool:
         for i in range(0, len(prefill_lengths), MIXED_PROBES):
             lengths = prefill_lengths[i:i + MIXED_PROBES]
             reqs = mixed_wave(pool, k, lengths, decoding_s[near] * 1.25, step_s,
-                              lambda p: median_ttft.get(p, max(median_ttft.values())), room, rng)
+                              lambda p: median_ttft.get(p, max(median_ttft.values())), room, rng, decodes)
             out += mixed_steps(serve(reqs, None), k)
     return out
 
@@ -562,20 +601,25 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
     def serve(reqs: list[Request], k: int | None) -> list[Any]:
         return run_load(engine, reqs, concurrency=k, timeout_s=300.0, progress=False).results
 
+    scratch = tempfile.TemporaryDirectory(prefix="tuner-profile-")  # the engine's copies of prompts, removed after
+    copy = part.copies(engine, Path(scratch.name)) if part.copies and protocol.shared_prefix else None
     try:
         engine.start()
     except Exception as e:  # noqa: BLE001 - a start that fails, however the engine says it, is one line
         engine.stop(drain=False)
+        scratch.cleanup()
         why = (str(e).splitlines() or [type(e).__name__])[0]
         raise TunerError(f"profile: the {config.engine} engine did not start for {config.quant} at {part.cap_name} "
                          f"{batch_cap}: {why}") from None
     try:
         startup_s = time.perf_counter() - t_start
         samples = collect_samples(serve, pool, batch_cap, prefill_lengths, decode_prompts, rng, log,
-                                  lambda index: part.prompt_ms(engine, index), protocol, per_seq)
+                                  lambda index: part.prompt_ms(engine, index), protocol, per_seq, copy)
         facts = part.facts(engine)
     finally:
         engine.stop(drain=False)
+        scratch.cleanup()
+    notes += samples["notes"]
     if facts.get("prefix_cache_hit_tokens"):  # fresh prompts share no prefix: a hit would shorten measured prefills
         notes.append(f"the engine's prefix cache served {facts['prefix_cache_hit_tokens']} prompt tokens of the "
                      "profile's fresh prompts: its prefill times may be low")
