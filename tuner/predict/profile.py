@@ -3,10 +3,11 @@
 Measured on the real engine, opened through the registry's backend (`Backend.open`: the argv `tuner bench` launches
 for a server -- llama.cpp's with `--slot-save-path <a scratch directory>` added for the prompt copies, which enables
 llama-server's /slots save and restore and changes nothing else --, the model loaded by the engine module for an
-in-process engine; the profile never reaches into the model) at the largest batch cap to cover, over its streaming interface with the real load generator:
+in-process engine; the profile never reaches into the model) at the largest batch cap to cover, over its streaming
+interface with the real load generator:
 * **decode**: waves of k fresh prompts sent together (k = 1, 2, 4, ... up to the batch cap), at two prompt lengths,
-  `DECODE_TOKENS` out each (version 5, llama.cpp: a repeated wave sends its prompts again and a wider wave the
-  narrower one's long prompts, served by its prompt cache: `LLAMACPP_PROTOCOL`). Only the streamed gaps that fall
+  `DECODE_TOKENS` out each (version 6, llama.cpp: the prompts of one length share a prefix whose KV cache is copied
+  into the slots before each wave: `LLAMACPP_PROTOCOL`). Only the streamed gaps that fall
   while all k requests decode (after the wave's last first token, before its first finish) are kept: each is one
   step of k sequences; their medians per quarter of the output give (k, context tokens summed, step seconds) samples.
 * **prefill**: single requests of several prompt lengths (one token out) on the idle engine: TTFT against tokens
