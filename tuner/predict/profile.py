@@ -319,8 +319,8 @@ class DecodePrompts:
     """`self(n, prompt_tokens, max_tokens)`: a wave's `n` decode prompts. Fresh (`fresh_prompts`), or (shared_prefix)
     each the prefix drawn once for its length followed by `SHARED_TAIL` fresh tokens, the prefix's KV cache first
     copied into the engine's first `n` slots (`copy`, where the engine can) so each prompt prefills its tail only. A
-    copy the engine refuses stops the copies (`failed` says why): the prompts are then prefilled in full, as fresh
-    ones (slower; the same decode steps)."""
+    copy the engine refuses stops the copies (`failed` says why): each prompt is then prefilled in full unless its
+    slot still holds the prefix from an earlier wave (slower; the same decode steps)."""
 
     def __init__(self, pool: list[int], rng: random.Random, shared_prefix: bool,
                  copy: Callable[[tuple[int, ...], int], None] | None = None) -> None:
