@@ -83,9 +83,10 @@ def test_a_context_slope_per_batch_size_is_fitted_only_where_the_samples_reject_
 
 
 def test_llamacpps_protocol_copies_a_prefix_per_prompt_length_into_the_slots_before_each_wave() -> None:
-    # prof.LLAMACPP_PROTOCOL: the decode prompts of one length share all but their last SHARED_TAIL tokens, and before
-    # each wave the engine is asked to copy that prefix into as many slots as the wave holds; the mixed waves'
-    # decodes are the short waves' kind, their probes fresh
+    # prof.LLAMACPP_PROTOCOL: two prefill repeats per length; the decode prompts of one length share all but their
+    # last SHARED_TAIL tokens, and before each wave the engine is asked to copy that prefix into as many slots as the
+    # wave holds; two waves per length below 8 sequences, one from 8 on; the mixed waves' decodes are the short
+    # waves' kind, their probes fresh
     engine = SimulatedEngine(TRUTH, 8)
     events: list[tuple[str, int, Any]] = []  # ("copy", slots, prefix) / ("wave", k or None, requests)
 
@@ -98,16 +99,18 @@ def test_llamacpps_protocol_copies_a_prefix_per_prompt_length_into_the_slots_bef
                              copy=lambda prefix, slots: events.append(("copy", slots, prefix)))
     short, long = prof.DECODE_PROMPTS
     tail = prof.SHARED_TAIL
+    prefill = [r for what, k, r in events if what == "wave" and k == 1 and r[0].max_tokens == 1]
+    assert [(len(r), len(r[0].prompt_ids)) for r in prefill] == [(2, p) for p in prof.PREFILL_TOKENS]
     decode = [(i, k, r) for i, (what, k, r) in enumerate(events)
               if what == "wave" and k is not None and r[0].max_tokens == prof.DECODE_TOKENS]
     assert [(k, len(r[0].prompt_ids)) for _, k, r in decode] == [
-        (k, p) for k in (1, 2, 4, 8) for p in (short, short, long, long)]
+        (k, p) for k in (1, 2, 4) for p in (short, short, long, long)] + [(8, short), (8, long)]
     for i, k, reqs in decode:  # each wave: its prefix copied into k slots just before
         assert events[i - 1][:2] == ("copy", k) and all(r.prompt_ids[:-tail] == events[i - 1][2] for r in reqs)
     for p in (short, long):
         sent = [r.prompt_ids for _, k, reqs in decode for r in reqs if len(r.prompt_ids) == p]
         assert len({ids[:-tail] for ids in sent}) == 1  # one prefix per length
-        assert len({ids[-tail:] for ids in sent}) == len(sent) == 2 * (1 + 2 + 4 + 8)  # fresh tails
+        assert len({ids[-tail:] for ids in sent}) == len(sent) == 2 * (1 + 2 + 4) + 8  # fresh tails
     mixed = [(i, r) for i, (what, k, r) in enumerate(events) if what == "wave" and k is None]
     assert [sum(q.max_tokens > 1 for q in r) for _, r in mixed] == [1, 1, 7, 7]
     short_prefix = decode[0][2][0].prompt_ids[:-tail]

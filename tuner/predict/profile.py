@@ -6,11 +6,13 @@ llama-server's /slots save and restore and changes nothing else --, the model lo
 in-process engine; the profile never reaches into the model) at the largest batch cap to cover, over its streaming
 interface with the real load generator:
 * **decode**: waves of k fresh prompts sent together (k = 1, 2, 4, ... up to the batch cap), at two prompt lengths,
-  `DECODE_TOKENS` out each (version 6, llama.cpp: the prompts of one length share a prefix whose KV cache is copied
-  into the slots before each wave: `LLAMACPP_PROTOCOL`). Only the streamed gaps that fall
+  `DECODE_TOKENS` out each, `DECODE_WAVES` waves per length (llama.cpp, `LLAMACPP_PROTOCOL`: version 6, the prompts
+  of one length share a prefix whose KV cache is copied into the slots before each wave; version 7, one wave per
+  length from 8 sequences on). Only the streamed gaps that fall
   while all k requests decode (after the wave's last first token, before its first finish) are kept: each is one
   step of k sequences; their medians per quarter of the output give (k, context tokens summed, step seconds) samples.
-* **prefill**: single requests of several prompt lengths (one token out) on the idle engine: TTFT against tokens
+* **prefill**: single requests of several prompt lengths (one token out; `PREFILL_REPEATS` each, llama.cpp 2) on
+  the idle engine: TTFT against tokens
   (and the engine's own prompt time beside it where it reports one: llama-server's `prompt_ms`).
 * **mixed** (version 3): prompts of those lengths sent, open loop, into a wave of running decodes (1 and the cap
   less one sequences), paced by the decode and prefill times just measured; the decodes' gap that ends with a
@@ -59,9 +61,10 @@ from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
 
-VERSION = 6  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
+VERSION = 7  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
 # 5: the engine's own protocol (`Side.protocol`: llama.cpp's waves send prompts again, served by its prompt cache);
-# 6: llama.cpp's decode prompts share a prefix per length, copied into its slots before each wave (slot restore)
+# 6: llama.cpp's decode prompts share a prefix per length, copied into its slots before each wave (slot restore);
+# 7: llama.cpp: one decode wave per length from 8 sequences on, 2 prefill repeats (LLAMACPP_PROTOCOL)
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -85,11 +88,19 @@ class Protocol:
     mixed: bool = True  # measure mixed steps (False: a profile of version 2's protocol)
     shared_prefix: bool = False  # decode prompts of one length share all but their last SHARED_TAIL tokens, the
     # prefix copied into the engine's slots before each wave where it can (`DecodePrompts`, LLAMACPP_PROTOCOL)
+    one_wave_from: int | None = None  # from this many sequences on, one decode wave per prompt length (a wave there
+    # costs about k times a lone sequence's and yields as many steps); None: `decode_waves` at every concurrency
 
     def __post_init__(self) -> None:
-        for name in ("prefill_repeats", "decode_waves"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise TunerError(f"profile protocol {name}={getattr(self, name)!r} is invalid: expected an integer >= 1")
+        for name in ("prefill_repeats", "decode_waves", "one_wave_from"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1) and not (name == "one_wave_from" and value is None):
+                raise TunerError(f"profile protocol {name}={value!r} is invalid: expected an integer >= 1"
+                                 + (" or None" if name == "one_wave_from" else ""))
+
+    def waves_at(self, k: int) -> int:
+        """Decode waves per prompt length at k sequences."""
+        return 1 if self.one_wave_from is not None and k >= self.one_wave_from else self.decode_waves
 
 
 def concurrencies(batch_cap: int) -> list[int]:
@@ -246,7 +257,15 @@ def vllm_limits(profile: dict[str, Any], config: TrialConfig) -> dict[str, Any]:
 # without the long waves above 4 sequences, six version-4 profiles predicted those waves' steps -7% to +15% off
 # (median per profile; worst +36%; the full fit, in sample, +0% to +6%): the slope at 1-4 sequences differs from the
 # one at 8-16 (benchmarks/bench_profile_protocol.py).
-LLAMACPP_PROTOCOL = Protocol(shared_prefix=True)
+# Version 7 measures less where a sample costs most: a decode wave of k sequences takes about k times a lone
+# sequence's wave and yields as many steps (~30), so from 8 sequences on each length gets one wave (two below), and
+# each prefill length two repeats (llama-server's prompt time repeats within 1-3%). Checked on six version-6
+# profiles of the same day (Q8_0/Q4_0/Q4_1 x KV auto/q8_0, -np 16 -t 1), refitted without their second wave at
+# 8-16 sequences and their third prefill repeat: the left-out steps predicted +0.5% to +2.5% off (median per
+# profile; worst 16%), the full fit on the same steps +0.2% to +4.2% (worst 15%), and the 18-configuration grid's
+# score unchanged (median 4%, p90 15%, rho 0.97) (benchmarks/bench_profile_protocol.py). Measured, versions 6 and 7
+# alternated: Q4_1's -np 16 -t 1 profile 88-100 s -> 70-77 s (README, "Profile version 7").
+LLAMACPP_PROTOCOL = Protocol(prefill_repeats=2, shared_prefix=True, one_wave_from=8)
 
 
 def llamacpp_copies(engine: Any, scratch: Path) -> Callable[[tuple[int, ...], int], None]:
@@ -476,7 +495,7 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     for k in concurrencies(batch_cap):
         t_k = time.perf_counter()
         for p in decode_prompts:
-            for _ in range(protocol.decode_waves):
+            for _ in range(protocol.waves_at(k)):
                 results = serve(waves(k, p, DECODE_TOKENS), k)
                 wave = wave_gaps(results, p)
                 gaps += wave
