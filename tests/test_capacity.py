@@ -267,7 +267,10 @@ def test_a_neighbour_present_throughout_the_measurement_is_seen_and_measured_aga
         engine.stop(drain=False)
     first, second = cap["remeasured"]["attempts"]
     assert first["host"]["others_share"] > 0.7 * spinners() / os.cpu_count()  # the whole measurement
-    assert busy_share(second["host"]["busiest"]) < HOST_BUSY
+    assert busy_share(first["host"]["busiest"]) > HOST_BUSY
+    # the neighbour gone: the second's busiest step far below what it took (not below HOST_BUSY: the shared host's
+    # other tenants can take 11% of a short step, as in one run of the suite, 2026-12-06)
+    assert busy_share(second["host"]["busiest"]) < first["host"]["others_share"] / 2
     assert cap["remeasured"]["kept"] == 1 and cap["host"] == second["host"]
     assert cap["notes"][0].startswith("measured twice: ")
     assert any(n.startswith("the host was busy during") for n in first["notes"])
