@@ -92,11 +92,9 @@ class Protocol:
     # costs about k times a lone sequence's and yields as many steps); None: `decode_waves` at every concurrency
 
     def __post_init__(self) -> None:
-        for name in ("prefill_repeats", "decode_waves", "one_wave_from"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1) and not (name == "one_wave_from" and value is None):
-                raise TunerError(f"profile protocol {name}={value!r} is invalid: expected an integer >= 1"
-                                 + (" or None" if name == "one_wave_from" else ""))
+        for name in ("prefill_repeats", "decode_waves") + (("one_wave_from",) if self.one_wave_from is not None else ()):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise TunerError(f"profile protocol {name}={getattr(self, name)!r} is invalid: expected an integer >= 1")
 
     def waves_at(self, k: int) -> int:
         """Decode waves per prompt length at k sequences."""
