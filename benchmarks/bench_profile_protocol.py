@@ -16,6 +16,10 @@ list of them; default: this host's cache, $TUNER_CACHE/profiles). Two shorter pr
   ... --no-measure`). Version 7 came from this (2026-12-06 15:35-15:42, the six version-6 profiles in
   benchmarks/data/profiles-llamacpp-2026-12-06-v6.json.gz): the left-out steps of the second waves at 8 and 16
   sequences predicted +0.5% to +2.5% off (median per profile; worst 16%), the full fit +0.2% to +4.2% (worst 15%).
+  Version 8's transformers protocol from `--wide 2 --prefill-repeats 3` (2026-12-06 18:36-18:50, four version-7
+  profiles of smollm2-135m at cap 16, fp32/bf16/bnb-nf4/torchao-int8wo, in
+  benchmarks/data/profiles-transformers-2026-12-06-v7.json.gz): the left-out second waves at 2-16 sequences
+  predicted -2.8% to +3.4% off (median per profile; worst 15-80%), the full fit -0.3% to +13.4% (worst 15-41%).
 
 Usage: .venv/bin/python benchmarks/bench_profile_protocol.py [--profiles DIR|FILE.json.gz]
            [--drop long-waves --up-to 4,2 | --drop second-wave --wide 8 --prefill-repeats 2 [--write DIR]]

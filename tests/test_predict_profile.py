@@ -149,13 +149,38 @@ def test_a_copy_the_engine_refuses_stops_the_copies_and_the_profile_says_so() ->
 def test_other_engines_send_every_wave_fresh() -> None:
     engine = SimulatedEngine(TRUTH, 4)
     sent: list[tuple[int, ...]] = []
-    for name in ("transformers", "vllm"):
+    for name, waves in (("transformers", 2 * 2 * 1 + 2 * (2 + 4)), ("vllm", 2 * 2 * (1 + 2 + 4))):
         sent.clear()
         prof.collect_samples(lambda reqs, k: sent.extend(r.prompt_ids for r in reqs if r.max_tokens == prof.DECODE_TOKENS)
                              or engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
                              list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0),
                              protocol=prof.SIDES[name].protocol)
-        assert len(sent) == 2 * 2 * (1 + 2 + 4) and len(set(sent)) == len(sent), name
+        assert len(sent) == waves and len(set(sent)) == len(sent), name
+
+
+def test_transformers_protocol_sends_one_wave_per_length_from_two_sequences_and_still_recovers_each_slope() -> None:
+    # prof.TRANSFORMERS_PROTOCOL (version 8): two waves per prompt length at 1 sequence, one from 2 on; on the noisy
+    # engine of the per-batch-slope test (a slope per batch size, 3% step noise) the fit is as close as with two
+    truth = StepModel(**{**TRUTH.to_dict(), "noise_sigma": 0.03,
+                         "decode_by_batch_s": ((1, 0.040), (2, 0.070), (4, 0.066), (8, 0.038), (16, 0.036)),
+                         "decode_ctx_by_batch_s": ((1, 8e-6), (2, 1.4e-5), (4, 6e-6), (8, 7e-5), (16, 9e-5))})
+    engine = SimulatedEngine(truth, 16, seed=3)
+    waves: list[tuple[int, int]] = []
+
+    def serve(reqs: list[Any], k: int | None) -> list[Any]:
+        if k is not None and reqs[0].max_tokens == prof.DECODE_TOKENS:
+            waves.append((k, len(reqs[0].prompt_ids)))
+        return engine.run(reqs, concurrency=k).results
+
+    s = prof.collect_samples(serve, list(range(20_000)), 16, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
+                             random.Random(3), protocol=prof.SIDES["transformers"].protocol)
+    short, long = prof.DECODE_PROMPTS
+    assert waves == [(1, short), (1, short), (1, long), (1, long)] + [(k, p) for k in (2, 4, 8, 16) for p in (short, long)]
+    model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
+    assert fit["context_slope"]["per_batch"]
+    for k in (1, 2, 4, 8, 16):
+        for ctx in (40 * k, 340 * k):
+            assert model.decode_s(k, ctx) == pytest.approx(truth.decode_s(k, ctx), rel=0.05), (k, ctx)
 
 
 def test_a_profile_fitted_by_older_rules_is_fitted_again_from_its_samples_without_measuring(

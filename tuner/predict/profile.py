@@ -8,7 +8,8 @@ interface with the real load generator:
 * **decode**: waves of k fresh prompts sent together (k = 1, 2, 4, ... up to the batch cap), at two prompt lengths,
   `DECODE_TOKENS` out each, `DECODE_WAVES` waves per length (llama.cpp, `LLAMACPP_PROTOCOL`: version 6, the prompts
   of one length share a prefix whose KV cache is copied into the slots before each wave; version 7, one wave per
-  length from 8 sequences on). Only the streamed gaps that fall
+  length from 8 sequences on; transformers, `TRANSFORMERS_PROTOCOL`: version 8, one wave per length from 2 sequences
+  on). Only the streamed gaps that fall
   while all k requests decode (after the wave's last first token, before its first finish) are kept: each is one
   step of k sequences; their medians per quarter of the output give (k, context tokens summed, step seconds) samples.
 * **prefill**: single requests of several prompt lengths (one token out; `PREFILL_REPEATS` each, llama.cpp 2) on
@@ -61,10 +62,11 @@ from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
 
-VERSION = 7  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
+VERSION = 8  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
 # 5: the engine's own protocol (`Side.protocol`: llama.cpp's waves send prompts again, served by its prompt cache);
 # 6: llama.cpp's decode prompts share a prefix per length, copied into its slots before each wave (slot restore);
 # 7: llama.cpp: one decode wave per length from 8 sequences on, 2 prefill repeats (LLAMACPP_PROTOCOL)
+# 8: transformers: one decode wave per length from 2 sequences on (TRANSFORMERS_PROTOCOL)
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -264,6 +266,15 @@ def vllm_limits(profile: dict[str, Any], config: TrialConfig) -> dict[str, Any]:
 # score unchanged (median 4%, p90 15%, rho 0.97) (benchmarks/bench_profile_protocol.py). Measured, versions 6 and 7
 # alternated: Q4_1's -np 16 -t 1 profile 88-100 s -> 70-77 s (README, "Profile version 7").
 LLAMACPP_PROTOCOL = Protocol(prefill_repeats=2, shared_prefix=True, one_wave_from=8)
+# transformers' continuous batching (version 8): its decode step costs about the same at 1 and 8 sequences, so every
+# wave costs alike and the waves of the widest batches (their long prompts prefilled 512 tokens a step while the
+# others decode) take most of a profile: at cap 16, 111-177 s per format with two waves everywhere (2026-12-06), the
+# 16-sequence waves 42-50% of it. A second wave per length is kept at 1 sequence alone (cheap, and the slope every
+# other batch size is read against). Checked on four version-7 profiles at cap 16 (fp32, bf16, bnb-nf4,
+# torchao-int8wo, 18:36-18:50 UTC): refitted without their second waves from 2 sequences, the left-out steps
+# predicted -2.8% to +3.4% off (median per profile), the full fit on the same steps -0.3% to +13.4%
+# (benchmarks/bench_profile_protocol.py --drop second-wave --wide 2 --prefill-repeats 3; README, "Profile version 8").
+TRANSFORMERS_PROTOCOL = Protocol(one_wave_from=2)
 
 
 def llamacpp_copies(engine: Any, scratch: Path) -> Callable[[tuple[int, ...], int], None]:
@@ -276,7 +287,8 @@ SIDES: dict[str, Side] = {
                      lambda engine, index: (engine.request_timings().get(f"r{index}") or {}).get("prompt_ms"),
                      llamacpp_facts, llamacpp_limits, protocol=LLAMACPP_PROTOCOL, copies=llamacpp_copies),
     "transformers": Side("max_requests_per_batch", transformers_identity, lambda engine, cap: None,
-                         lambda engine, index: None, transformers_facts, transformers_limits, in_process=True),
+                         lambda engine, index: None, transformers_facts, transformers_limits, in_process=True,
+                         protocol=TRANSFORMERS_PROTOCOL),
     "vllm": Side("--max-num-seqs", vllm_identity, lambda engine, cap: None, lambda engine, index: None, vllm_facts,
                  vllm_limits),
 }
