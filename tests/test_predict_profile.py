@@ -149,17 +149,18 @@ def test_a_copy_the_engine_refuses_stops_the_copies_and_the_profile_says_so() ->
 def test_other_engines_send_every_wave_fresh() -> None:
     engine = SimulatedEngine(TRUTH, 4)
     sent: list[tuple[int, ...]] = []
-    for name, waves in (("transformers", 2 * 2 * 1 + 2 * (2 + 4)), ("vllm", 2 * 2 * (1 + 2 + 4))):
+    for name in ("transformers", "vllm"):  # two waves per length at 1 sequence, one from 2 on
         sent.clear()
         prof.collect_samples(lambda reqs, k: sent.extend(r.prompt_ids for r in reqs if r.max_tokens == prof.DECODE_TOKENS)
                              or engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
                              list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0),
                              protocol=prof.SIDES[name].protocol)
-        assert len(sent) == waves and len(set(sent)) == len(sent), name
+        assert len(sent) == 2 * 2 * 1 + 2 * (2 + 4) and len(set(sent)) == len(sent), name
 
 
-def test_transformers_protocol_sends_one_wave_per_length_from_two_sequences_and_still_recovers_each_slope() -> None:
-    # prof.TRANSFORMERS_PROTOCOL (version 8): two waves per prompt length at 1 sequence, one from 2 on; on the noisy
+@pytest.mark.parametrize("engine_name", ["transformers", "vllm"])
+def test_one_wave_per_length_from_two_sequences_still_recovers_each_slope(engine_name: str) -> None:
+    # prof.TRANSFORMERS_PROTOCOL and VLLM_PROTOCOL (versions 8, 9): two waves per prompt length at 1 sequence, one from 2 on; on the noisy
     # engine of the per-batch-slope test (a slope per batch size, 3% step noise) the fit is as close as with two
     truth = StepModel(**{**TRUTH.to_dict(), "noise_sigma": 0.03,
                          "decode_by_batch_s": ((1, 0.040), (2, 0.070), (4, 0.066), (8, 0.038), (16, 0.036)),
@@ -173,7 +174,7 @@ def test_transformers_protocol_sends_one_wave_per_length_from_two_sequences_and_
         return engine.run(reqs, concurrency=k).results
 
     s = prof.collect_samples(serve, list(range(20_000)), 16, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
-                             random.Random(3), protocol=prof.SIDES["transformers"].protocol)
+                             random.Random(3), protocol=prof.SIDES[engine_name].protocol)
     short, long = prof.DECODE_PROMPTS
     assert waves == [(1, short), (1, short), (1, long), (1, long)] + [(k, p) for k in (2, 4, 8, 16) for p in (short, long)]
     model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])

@@ -8,8 +8,8 @@ interface with the real load generator:
 * **decode**: waves of k fresh prompts sent together (k = 1, 2, 4, ... up to the batch cap), at two prompt lengths,
   `DECODE_TOKENS` out each, `DECODE_WAVES` waves per length (llama.cpp, `LLAMACPP_PROTOCOL`: version 6, the prompts
   of one length share a prefix whose KV cache is copied into the slots before each wave; version 7, one wave per
-  length from 8 sequences on; transformers, `TRANSFORMERS_PROTOCOL`: version 8, one wave per length from 2 sequences
-  on). Only the streamed gaps that fall
+  length from 8 sequences on; transformers and vLLM, `TRANSFORMERS_PROTOCOL` and `VLLM_PROTOCOL`: versions 8 and 9, one
+  wave per length from 2 sequences on). Only the streamed gaps that fall
   while all k requests decode (after the wave's last first token, before its first finish) are kept: each is one
   step of k sequences; their medians per quarter of the output give (k, context tokens summed, step seconds) samples.
 * **prefill**: single requests of several prompt lengths (one token out; `PREFILL_REPEATS` each, llama.cpp 2) on
@@ -62,11 +62,11 @@ from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
 
-VERSION = 8  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
+VERSION = 9  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
 # 5: the engine's own protocol (`Side.protocol`: llama.cpp's waves send prompts again, served by its prompt cache);
 # 6: llama.cpp's decode prompts share a prefix per length, copied into its slots before each wave (slot restore);
 # 7: llama.cpp: one decode wave per length from 8 sequences on, 2 prefill repeats (LLAMACPP_PROTOCOL)
-# 8: transformers: one decode wave per length from 2 sequences on (TRANSFORMERS_PROTOCOL)
+# 8: transformers: one decode wave per length from 2 sequences on (TRANSFORMERS_PROTOCOL); 9: vLLM too (VLLM_PROTOCOL)
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -275,6 +275,11 @@ LLAMACPP_PROTOCOL = Protocol(prefill_repeats=2, shared_prefix=True, one_wave_fro
 # predicted -2.8% to +3.4% off (median per profile), the full fit on the same steps -0.3% to +13.4%
 # (benchmarks/bench_profile_protocol.py --drop second-wave --wide 2 --prefill-repeats 3; README, "Profile version 8").
 TRANSFORMERS_PROTOCOL = Protocol(one_wave_from=2)
+# vLLM-CPU (version 9) the same: at --max-num-seqs 32 (the vllm-cpu space's top) its waves took 92-155 s of a 169-239 s
+# profile (2026-12-06, bf16 and fp32), the 32-sequence waves 43-44% of them; refitted without their second waves from 2
+# sequences the left-out steps predicted +4.8% and +1.1% off (median), the full fit +1.8% and +1.8% (README, "Profile
+# version 9").
+VLLM_PROTOCOL = Protocol(one_wave_from=2)
 
 
 def llamacpp_copies(engine: Any, scratch: Path) -> Callable[[tuple[int, ...], int], None]:
@@ -290,7 +295,7 @@ SIDES: dict[str, Side] = {
                          lambda engine, index: None, transformers_facts, transformers_limits, in_process=True,
                          protocol=TRANSFORMERS_PROTOCOL),
     "vllm": Side("--max-num-seqs", vllm_identity, lambda engine, cap: None, lambda engine, index: None, vllm_facts,
-                 vllm_limits),
+                 vllm_limits, protocol=VLLM_PROTOCOL),
 }
 
 
