@@ -94,9 +94,11 @@ class Protocol:
     # costs about k times a lone sequence's and yields as many steps); None: `decode_waves` at every concurrency
 
     def __post_init__(self) -> None:
-        for name in ("prefill_repeats", "decode_waves") + (("one_wave_from",) if self.one_wave_from is not None else ()):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise TunerError(f"profile protocol {name}={getattr(self, name)!r} is invalid: expected an integer >= 1")
+        counts = ("prefill_repeats", "decode_waves") + (("one_wave_from",) if self.one_wave_from is not None else ())
+        for name in counts:
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise TunerError(f"profile protocol {name}={value!r} is invalid: expected an integer >= 1")
 
     def waves_at(self, k: int) -> int:
         """Decode waves per prompt length at k sequences."""
@@ -269,7 +271,7 @@ LLAMACPP_PROTOCOL = Protocol(prefill_repeats=2, shared_prefix=True, one_wave_fro
 # transformers' continuous batching (version 8): its decode step costs about the same at 1 and 8 sequences, so every
 # wave costs alike and the waves of the widest batches (their long prompts prefilled 512 tokens a step while the
 # others decode) take most of a profile: at cap 16, 111-177 s per format with two waves everywhere (2026-12-06), the
-# 16-sequence waves 42-50% of it. A second wave per length is kept at 1 sequence alone (cheap, and the slope every
+# 16-sequence waves 37-42% of it. A second wave per length is kept at 1 sequence alone (cheap, and the slope every
 # other batch size is read against). Checked on four version-7 profiles at cap 16 (fp32, bf16, bnb-nf4,
 # torchao-int8wo, 18:36-18:50 UTC): refitted without their second waves from 2 sequences, the left-out steps
 # predicted -2.8% to +3.4% off (median per profile), the full fit on the same steps -0.3% to +13.4%
