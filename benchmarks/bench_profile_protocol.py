@@ -20,9 +20,21 @@ list of them; default: this host's cache, $TUNER_CACHE/profiles). Two shorter pr
   profiles of smollm2-135m at cap 16, fp32/bf16/bnb-nf4/torchao-int8wo, in
   benchmarks/data/profiles-transformers-2026-12-06-v7.json.gz): the left-out second waves at 2-16 sequences
   predicted -2.8% to +3.4% off (median per profile; worst 15-80%), the full fit -0.3% to +13.4% (worst 15-41%).
+* `--drop levels` (`--levels 1,4,16`): without the waves at the other concurrencies (the cap kept), predicted there by
+  interpolating between the batch sizes kept. Rejected for version 10 (2026-12-06, six version-8 transformers profiles
+  at cap 16, benchmarks/data/profiles-transformers-2026-12-06-v8.json.gz, and two version-9 vLLM profiles at
+  --max-num-seqs 8, profiles-vllm-2026-12-06-v9.json.gz): the left-out concurrencies' steps -16% to +3% off
+  (median per profile; vLLM -17% and -14%), the full fit within 1%: a step is not linear in the batch from 1 to 16.
+* `--drop tail` (`--tokens 16 --from-k 1`): each decode wave as if it had asked `tokens` tokens out from `from_k`
+  sequences on (each request's kept gaps ending `decode_tokens - tokens` steps sooner), scored on all the profile's
+  decode samples. Version 10 from this (the same eight profiles; 16 tokens flat cuts more than version 10, whose waves
+  ask 16 more than the steps their prompts take to get in): median -0.1% to +1.1% off per profile (worst 9-27%), the
+  full fit 0.0% to +1.0% (worst 8-19%); and (`--drop second-wave --wide 2 --prefill-repeats 2`, same profiles) the
+  third prefill repeat left out predicted median -1.6% to +2.8% off, by the full fit -1.4% to +2.2%.
 
 Usage: .venv/bin/python benchmarks/bench_profile_protocol.py [--profiles DIR|FILE.json.gz]
-           [--drop long-waves --up-to 4,2 | --drop second-wave --wide 8 --prefill-repeats 2 [--write DIR]]
+           [--drop long-waves --up-to 4,2 | --drop second-wave --wide 8 --prefill-repeats 2 [--write DIR]
+            | --drop levels --levels 1,4,16 | --drop tail --tokens 16 --from-k 1 [--write DIR]]
 """
 
 from __future__ import annotations
@@ -97,6 +109,65 @@ def without_second_waves(profile: dict[str, Any], wide: int,
     return {**s, "decode": kept, "gaps": gaps, "prefill": prefill}, held
 
 
+def without_levels(profile: dict[str, Any], keep: set[int]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The samples without the decode waves at the concurrencies not in `keep` (the cap always kept: the widest a
+    profile covers), and the decode samples left out: what the profile predicts there by interpolating between the
+    batch sizes it kept."""
+    s = profile["samples"]
+    kept_k = keep | {profile["batch_cap"]}
+    return ({**s, "decode": [d for d in s["decode"] if d["seqs"] in kept_k],
+             "gaps": [g for g in s["gaps"] if g[0] in kept_k]},
+            [d for d in s["decode"] if d["seqs"] not in kept_k])
+
+
+def request_runs(gaps: list[Any]) -> list[list[Any]]:
+    """The stored gaps cut into one request's each: a request's gaps extend its context by its wave's k a step."""
+    out: list[list[Any]] = []
+    for g in gaps:
+        if not out or g[0] != out[-1][-1][0] or g[1] != out[-1][-1][1] + g[0]:
+            out.append([])
+        out[-1].append(g)
+    return out
+
+
+def with_shorter_waves(profile: dict[str, Any], tokens: int, from_k: int) -> tuple[dict[str, Any], list[Any]]:
+    """The samples as waves of `tokens` output tokens (instead of the profile's) would have given them, from `from_k`
+    sequences on: each request's kept gaps end `decode_tokens - tokens` steps earlier (the wave's first finish
+    comes that much sooner; every request decodes in the same steps), summarised again per quarter; and all the
+    profile's decode samples, held out (the full fit's own, in sample)."""
+    from tuner.predict.profile import decode_samples
+
+    s, cut = profile["samples"], profile["protocol"]["decode_tokens"] - tokens
+    lengths = sorted(profile["protocol"]["decode_prompts"])
+    gaps, decode = [], []
+    wave: list[Any] = []
+    reqs = request_runs(s["gaps"])
+    for i, run in enumerate(reqs):
+        k = run[0][0]
+        kept = run[:max(0, len(run) - cut)] if k >= from_k else run
+        gaps += kept
+        wave += kept
+        if i + 1 == len(reqs) or len(wave) and (reqs[i + 1][0][0] != k or reqs[i + 1][0][1] < run[0][1] - k * 64
+                                                or _wave_done(reqs, i, k)):
+            p = max(x for x in lengths if x * k <= min(g[1] for g in wave)) if wave else None
+            decode += [dict(d, prompt_tokens=p) for d in decode_samples(wave)] if wave else []
+            wave = []
+    return {**s, "decode": decode, "gaps": gaps}, s["decode"]
+
+
+def _wave_done(reqs: list[list[Any]], i: int, k: int) -> bool:
+    """Whether request run i is its wave's last: a wave holds k requests (runs counted since the concurrency or the
+    prompt length changed)."""
+    j, n = i, 0
+    while j >= 0 and reqs[j][0][0] == k and _length(reqs[j], k) == _length(reqs[i], k):
+        j, n = j - 1, n + 1
+    return n % k == 0
+
+
+def _length(run: list[Any], k: int) -> int:
+    return 0 if run[0][1] // k < 200 else 1
+
+
 def read_profiles(where: Path) -> list[tuple[str, dict[str, Any]]]:
     if where.is_file():
         with gzip.open(where, "rt", encoding="utf-8") as f:
@@ -111,11 +182,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profiles", help="a folder of profile JSON files or a .json.gz list of profiles "
                                        "(default: $TUNER_CACHE/profiles)")
-    ap.add_argument("--drop", choices=("long-waves", "second-wave"), default="long-waves")
+    ap.add_argument("--drop", choices=("long-waves", "second-wave", "levels", "tail"), default="long-waves")
     ap.add_argument("--up-to", default="4,2", help="long-waves: the widest batch the shorter protocol keeps them at")
     ap.add_argument("--wide", type=int, default=8, help="second-wave: one wave per length from this many sequences")
     ap.add_argument("--prefill-repeats", type=int, default=2, help="second-wave: prefill repeats kept per length")
-    ap.add_argument("--write", help="second-wave: write the reduced, refitted profiles into this folder")
+    ap.add_argument("--levels", default="1,4,16", help="levels: the concurrencies whose waves are kept (and the cap)")
+    ap.add_argument("--tokens", type=int, default=16, help="tail: the output tokens of each decode wave")
+    ap.add_argument("--from-k", type=int, default=2, help="tail: the shorter waves from this many sequences on")
+    ap.add_argument("--write", help="second-wave, levels, tail: write the reduced, refitted profiles into this folder")
     args = ap.parse_args()
     for name, p in read_profiles(Path(args.profiles) if args.profiles else profiles_dir()):
         s = p.get("samples", {})
@@ -126,15 +200,26 @@ def main() -> int:
         full, _ = fit_step_model(s["decode"], s["prefill"], s["gaps"], s.get("mixed") or ())
         cases = ([(f"long waves above {up}", without_long_waves(p, up)) for up in map(int, args.up_to.split(","))]
                  if args.drop == "long-waves" else
+                 [(f"waves of {args.tokens} tokens from {args.from_k} sequences",
+                   with_shorter_waves(p, args.tokens, args.from_k))] if args.drop == "tail" else
+                 [(f"waves at concurrencies but {args.levels} and the cap",
+                   without_levels(p, {int(k) for k in args.levels.split(",")}))] if args.drop == "levels" else
                  [(f"second waves from {args.wide} sequences, prefill past {args.prefill_repeats} repeats",
                    without_second_waves(p, args.wide, args.prefill_repeats))])
         parts = []
         for what, (samples, held) in cases:
+            part, fit = fit_step_model(samples["decode"], samples["prefill"], samples["gaps"],
+                                       samples.get("mixed") or ())
+            left = [x for x in s["prefill"] if x not in samples["prefill"]]  # prefill repeats left out
+            if left:
+                ttft = [(m.prefill_s(x["prompt_tokens"]) - x["ttft_s"]) / x["ttft_s"] for m in (part, full) for x in left]
+                parts.append(f"the prefill TTFTs left out (n={len(left)}): without them median "
+                             f"{statistics.median(ttft[:len(left)]):+.1%}, worst {max(ttft[:len(left)], key=abs):+.1%}; "
+                             f"the full fit median {statistics.median(ttft[len(left):]):+.1%}, worst "
+                             f"{max(ttft[len(left):], key=abs):+.1%}")
             if not held:
                 parts.append(f"{what}: none measured")
                 continue
-            part, fit = fit_step_model(samples["decode"], samples["prefill"], samples["gaps"],
-                                       samples.get("mixed") or ())
             e_part, e_full = errors(part, held), errors(full, held)
             parts.append(f"{what} held out (n={len(held)}): without them median {statistics.median(e_part):+.1%}, "
                          f"worst {max(e_part, key=abs):+.1%}; the full fit median {statistics.median(e_full):+.1%}, "

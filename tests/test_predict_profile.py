@@ -151,7 +151,8 @@ def test_other_engines_send_every_wave_fresh() -> None:
     sent: list[tuple[int, ...]] = []
     for name in ("transformers", "vllm"):  # two waves per length at 1 sequence, one from 2 on
         sent.clear()
-        prof.collect_samples(lambda reqs, k: sent.extend(r.prompt_ids for r in reqs if r.max_tokens == prof.DECODE_TOKENS)
+        prof.collect_samples(lambda reqs, k: sent.extend(r.prompt_ids for r in reqs if k is not None
+                                                         and len(r.prompt_ids) in prof.DECODE_PROMPTS)
                              or engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
                              list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0),
                              protocol=prof.SIDES[name].protocol)
@@ -159,31 +160,44 @@ def test_other_engines_send_every_wave_fresh() -> None:
 
 
 @pytest.mark.parametrize("engine_name", ["transformers", "vllm"])
-def test_one_wave_per_length_from_two_sequences_still_recovers_each_slope(engine_name: str) -> None:
-    # prof.TRANSFORMERS_PROTOCOL and VLLM_PROTOCOL (versions 8, 9): two waves per prompt length at 1 sequence, one
-    # from 2 on; on a noisy engine with a context slope per batch size (3% step noise) the fit still recovers each
-    # batch size's step within 5%
-    truth = StepModel(**{**TRUTH.to_dict(), "noise_sigma": 0.03,
+def test_short_single_waves_from_two_sequences_and_one_mixed_wave_per_batch_size_still_recover_the_model(
+        engine_name: str) -> None:
+    # prof.TRANSFORMERS_PROTOCOL and VLLM_PROTOCOL (version 10): two waves per prompt length at 1 sequence, one from 2
+    # on, each asking 16 tokens more than the steps its prompts take to get in at the engine's tokens per step (here 528, transformers' at cap 16: 16 prompts of 320 tokens take 10 steps); the four
+    # probe lengths sent into one mixed wave per batch size, 4 steps apart. On a noisy engine with a context slope per
+    # batch size (3% step noise) and a prompt joining running decodes cheaper than alone, the fit still recovers each
+    # batch size's step and the mixed step within 5% (so did version 9's mixed waves: 1-5% over five seeds)
+    truth = StepModel(**{**TRUTH.to_dict(), "noise_sigma": 0.03, "prefill_base_s": 0.030, "mixed": True,
+                         "mixed_base_s": 0.002, "mixed_per_token_s": 5e-5, "prefill_per_token_sq_s": 2e-7,
+                         "mixed_per_token_sq_s": 1e-7,
                          "decode_by_batch_s": ((1, 0.040), (2, 0.070), (4, 0.066), (8, 0.038), (16, 0.036)),
                          "decode_ctx_by_batch_s": ((1, 8e-6), (2, 1.4e-5), (4, 6e-6), (8, 7e-5), (16, 9e-5))})
-    engine = SimulatedEngine(truth, 16, seed=3)
-    waves: list[tuple[int, int]] = []
+    budget = 528
+    engine = SimulatedEngine(truth, 16, token_budget=budget, seed=3)
+    waves: list[tuple[int | None, int, int]] = []
 
     def serve(reqs: list[Any], k: int | None) -> list[Any]:
-        if k is not None and reqs[0].max_tokens == prof.DECODE_TOKENS:
-            waves.append((k, len(reqs[0].prompt_ids)))
+        if k is None:  # a mixed wave: its decodes and probes
+            waves.append((None, sum(r.max_tokens > 1 for r in reqs), sum(r.max_tokens == 1 for r in reqs)))
+        elif len(reqs[0].prompt_ids) in prof.DECODE_PROMPTS:
+            waves.append((k, len(reqs[0].prompt_ids), reqs[0].max_tokens))
         return engine.run(reqs, concurrency=k).results
 
     s = prof.collect_samples(serve, list(range(20_000)), 16, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
-                             random.Random(3), protocol=prof.SIDES[engine_name].protocol)
+                             random.Random(3), protocol=prof.SIDES[engine_name].protocol, token_budget=budget)
     short, long = prof.DECODE_PROMPTS
-    assert waves == [(1, short), (1, short), (1, long), (1, long)] + [
-        (k, p) for k in (2, 4, 8, 16) for p in (short, long)]
-    model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
-    assert fit["context_slope"]["per_batch"]
+    steps_in = {(k, p): -(-k * p // budget) for k in (2, 4, 8, 16) for p in (short, long)}  # 1 at 1 sequence
+    assert waves == [(1, short, 17), (1, short, 17), (1, long, 17), (1, long, 17)] + [
+        (k, p, 16 + steps_in[k, p]) for k in (2, 4, 8, 16) for p in (short, long)] + [
+        (None, 1, 4), (None, 15, 4)]
+    assert {(m["seqs"], m["prompt_tokens"]) for m in s["mixed"]} >= {(1, p) for p in prof.PREFILL_TOKENS}
+    model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"], s["mixed"])
+    assert fit["context_slope"]["per_batch"] and model.mixed
     for k in (1, 2, 4, 8, 16):
         for ctx in (40 * k, 340 * k):
             assert model.decode_s(k, ctx) == pytest.approx(truth.decode_s(k, ctx), rel=0.05), (k, ctx)
+    for k, tokens in ((1, 16), (1, 384), (15, 64)):
+        assert model.step_s(k, 100 * k, tokens) == pytest.approx(truth.step_s(k, 100 * k, tokens), rel=0.05)
 
 
 def test_a_profile_fitted_by_older_rules_is_fitted_again_from_its_samples_without_measuring(

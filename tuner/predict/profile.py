@@ -9,14 +9,16 @@ interface with the real load generator:
   `DECODE_TOKENS` out each, `DECODE_WAVES` waves per length (llama.cpp, `LLAMACPP_PROTOCOL`: version 6, the prompts
   of one length share a prefix whose KV cache is copied into the slots before each wave; version 7, one wave per
   length from 8 sequences on; transformers and vLLM, `TRANSFORMERS_PROTOCOL` and `VLLM_PROTOCOL`: versions 8 and 9, one
-  wave per length from 2 sequences on). Only the streamed gaps that fall
+  wave per length from 2 sequences on; version 10, each wave asks 16 tokens more than the steps its prompts take to get
+  in at the engine's tokens per step, `Protocol.wave_tokens`). Only the streamed gaps that fall
   while all k requests decode (after the wave's last first token, before its first finish) are kept: each is one
   step of k sequences; their medians per quarter of the output give (k, context tokens summed, step seconds) samples.
-* **prefill**: single requests of several prompt lengths (one token out; `PREFILL_REPEATS` each, llama.cpp 2) on
+* **prefill**: single requests of several prompt lengths (one token out; `Protocol.prefill_repeats` each: 2) on
   the idle engine: TTFT against tokens
   (and the engine's own prompt time beside it where it reports one: llama-server's `prompt_ms`).
 * **mixed** (version 3): prompts of those lengths sent, open loop, into a wave of running decodes (1 and the cap
-  less one sequences), paced by the decode and prefill times just measured; the decodes' gap that ends with a
+  less one sequences; two prompt lengths per wave, transformers and vLLM all four, `Protocol.mixed_probes`), paced by
+  the decode and prefill times just measured; the decodes' gap that ends with a
   prompt's first token is a step holding both: (sequences, context, prompt tokens, seconds). A lone prompt's TTFT
   also holds what the idle engine spends before its first step (transformers' loop waking up, llama-server's task
   launch), which a prompt joining a running batch may not pay, or pays differently.
@@ -62,11 +64,13 @@ from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
 
-VERSION = 9  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
+VERSION = 10  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
 # 5: the engine's own protocol (`Side.protocol`: llama.cpp's waves send prompts again, served by its prompt cache);
 # 6: llama.cpp's decode prompts share a prefix per length, copied into its slots before each wave (slot restore);
 # 7: llama.cpp: one decode wave per length from 8 sequences on, 2 prefill repeats (LLAMACPP_PROTOCOL)
 # 8: transformers: one decode wave per length from 2 sequences on (TRANSFORMERS_PROTOCOL); 9: vLLM too (VLLM_PROTOCOL)
+# 10: transformers and vLLM: each decode wave 16 steps past its prompts' entry, 2 prefill repeats, one mixed wave per
+# batch size (its probes 4 steps apart)
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -92,17 +96,33 @@ class Protocol:
     # prefix copied into the engine's slots before each wave where it can (`DecodePrompts`, LLAMACPP_PROTOCOL)
     one_wave_from: int | None = None  # from this many sequences on, one decode wave per prompt length (a wave there
     # costs about k times a lone sequence's and yields as many steps); None: `decode_waves` at every concurrency
+    decode_steps: int | None = None  # a decode wave's tokens out: this many more than the steps its prompts take to
+    # get in at the engine's tokens per step (`wave_tokens`); None: DECODE_TOKENS
+    mixed_probes: int = MIXED_PROBES
+    mixed_gap_steps: int = MIXED_GAP_STEPS
 
     def __post_init__(self) -> None:
-        counts = ("prefill_repeats", "decode_waves") + (("one_wave_from",) if self.one_wave_from is not None else ())
+        counts = ("prefill_repeats", "decode_waves", "mixed_probes") + tuple(
+            name for name in ("one_wave_from", "decode_steps") if getattr(self, name) is not None)
         for name in counts:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise TunerError(f"profile protocol {name}={value!r} is invalid: expected an integer >= 1")
+        if not (isinstance(self.mixed_gap_steps, int) and self.mixed_gap_steps >= 0):
+            raise TunerError(f"profile protocol mixed_gap_steps={self.mixed_gap_steps!r} is invalid: expected an "
+                             "integer >= 0")
 
     def waves_at(self, k: int) -> int:
         """Decode waves per prompt length at k sequences."""
         return 1 if self.one_wave_from is not None and k >= self.one_wave_from else self.decode_waves
+
+    def wave_tokens(self, k: int, prompt_tokens: int, token_budget: int | None) -> int:
+        """Tokens out of a decode wave of k prompts of `prompt_tokens`: DECODE_TOKENS, or (`decode_steps` set and the
+        engine's tokens per step, `token_budget`, known) `decode_steps` more than the steps the wave's prompts take to
+        get in at that budget: a wave's steps are kept only once all its k sequences decode."""
+        if self.decode_steps is None or token_budget is None:
+            return DECODE_TOKENS
+        return self.decode_steps + math.ceil(k * prompt_tokens / token_budget)
 
 
 def concurrencies(batch_cap: int) -> list[int]:
@@ -137,6 +157,8 @@ class Side:
     facts: Callable[[Any], dict[str, Any]]  # read from the running engine: its launch, KV capacity, token budget
     limits: Callable[[dict[str, Any], TrialConfig], dict[str, Any]]  # see scheduler_limits
     in_process: bool = False  # the engine runs in the measuring process: measured in a fresh child (measure_profile)
+    step_tokens: Callable[[Any, int], int | None] = lambda engine, cap: None  # the started engine's tokens per step
+    # at the cap (decodes and prompt tokens), for Protocol.wave_tokens; None: not known
     protocol: Protocol = Protocol()  # what its profile measures (see LLAMACPP_PROTOCOL)
     # before start: let the engine copy a prompt's KV cache into its slots (in the scratch directory given) and
     # return `copy(prompt ids, slots)`; None: it cannot (Protocol.shared_prefix then shares prefixes only)
@@ -198,6 +220,12 @@ def transformers_limits(profile: dict[str, Any], config: TrialConfig) -> dict[st
                       + ("" if same else f", scaled to {config.kv_fraction}")}
 
 
+def transformers_step_tokens(engine: Any, batch_cap: int) -> int:
+    from tuner.engines.transformers_cb import batch_tokens
+
+    return batch_tokens(batch_cap)
+
+
 def vllm_identity(config: TrialConfig) -> dict[str, Any]:
     """vLLM's version and the venv's torch, the served checkpoint's hash, and the knobs that change its speed (the
     step budget, chunked prefill, the cores it leaves the API server); not prefix caching (the profile's prompts are
@@ -216,6 +244,10 @@ def vllm_identity(config: TrialConfig) -> dict[str, Any]:
 
 def vllm_facts(engine: Any) -> dict[str, Any]:
     return {"settings": engine.settings(), "kv_cache_gib": engine.kv_gib, **engine.scheduler_facts()}
+
+
+def vllm_step_tokens(engine: Any, batch_cap: int) -> int | None:
+    return engine.scheduler_facts().get("max_num_batched_tokens")
 
 
 def vllm_limits(profile: dict[str, Any], config: TrialConfig) -> dict[str, Any]:
@@ -276,12 +308,12 @@ LLAMACPP_PROTOCOL = Protocol(prefill_repeats=2, shared_prefix=True, one_wave_fro
 # torchao-int8wo, 18:36-18:50 UTC): refitted without their second waves from 2 sequences, the left-out steps
 # predicted -2.8% to +3.4% off (median per profile), the full fit on the same steps -0.3% to +13.4%
 # (benchmarks/bench_profile_protocol.py --drop second-wave --wide 2 --prefill-repeats 3; README, "Profile version 8").
-TRANSFORMERS_PROTOCOL = Protocol(one_wave_from=2)
+TRANSFORMERS_PROTOCOL = Protocol(prefill_repeats=2, one_wave_from=2, decode_steps=16, mixed_probes=4, mixed_gap_steps=4)
 # vLLM-CPU (version 9) the same: at --max-num-seqs 32 (the vllm-cpu space's top) its waves took 92-155 s of a 169-239 s
 # profile (2026-12-06, bf16 and fp32), the 32-sequence waves 43-44% of them; refitted without their second waves from 2
 # sequences the left-out steps predicted +4.8% and +1.1% off (median), the full fit +1.8% and +1.8% (README, "Profile
 # version 9").
-VLLM_PROTOCOL = Protocol(one_wave_from=2)
+VLLM_PROTOCOL = Protocol(prefill_repeats=2, one_wave_from=2, decode_steps=16, mixed_probes=4, mixed_gap_steps=4)
 
 
 def llamacpp_copies(engine: Any, scratch: Path) -> Callable[[tuple[int, ...], int], None]:
@@ -295,9 +327,9 @@ SIDES: dict[str, Side] = {
                      llamacpp_facts, llamacpp_limits, protocol=LLAMACPP_PROTOCOL, copies=llamacpp_copies),
     "transformers": Side("max_requests_per_batch", transformers_identity, lambda engine, cap: None,
                          lambda engine, index: None, transformers_facts, transformers_limits, in_process=True,
-                         protocol=TRANSFORMERS_PROTOCOL),
+                         protocol=TRANSFORMERS_PROTOCOL, step_tokens=transformers_step_tokens),
     "vllm": Side("--max-num-seqs", vllm_identity, lambda engine, cap: None, lambda engine, index: None, vllm_facts,
-                 vllm_limits, protocol=VLLM_PROTOCOL),
+                 vllm_limits, protocol=VLLM_PROTOCOL, step_tokens=vllm_step_tokens),
 }
 
 
@@ -423,16 +455,17 @@ def mixed_seqs(batch_cap: int) -> list[int]:
 
 def mixed_wave(pool: list[int], k: int, lengths: list[int], decoding_s: float, step_s: float,
                ttft_s: Callable[[int], float], room: int, rng: random.Random,
-               decodes: Callable[[int, int, int], list[Request]] | None = None) -> list[Request]:
+               decodes: Callable[[int, int, int], list[Request]] | None = None,
+               gap_steps: int = MIXED_GAP_STEPS) -> list[Request]:
     """k decodes (`decodes(k, prompt tokens, max tokens)`: the decode waves' kind of prompts; fresh by default) sent
     at once, then one fresh prompt of each length (1 token out) sent while they run: the first
     `MIXED_LEAD_STEPS` decode steps after `decoding_s` (when the k decode, as measured), the next
-    `MIXED_GAP_STEPS` steps after the previous prompt's expected TTFT; the decodes ask for the tokens that outlast
+    `gap_steps` steps after the previous prompt's expected TTFT; the decodes ask for the tokens that outlast
     the last prompt (within `room`, the context one sequence may hold)."""
     arrivals, t = [], decoding_s + MIXED_LEAD_STEPS * step_s
     for p in lengths:
         arrivals.append(t)
-        t += ttft_s(p) + MIXED_GAP_STEPS * step_s
+        t += ttft_s(p) + gap_steps * step_s
     out_tokens = min(room - DECODE_PROMPTS[0], math.ceil(t / step_s) + MIXED_LEAD_STEPS)
     make = decodes or (lambda n, p, m: fresh_prompts(pool, n, p, m, rng))
     reqs = [Request(r.index, "", r.prompt_ids, r.max_tokens, 0.0) for r in make(k, DECODE_PROMPTS[0], out_tokens)]
@@ -487,13 +520,15 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
                     log: Callable[[str], None] = lambda s: None,
                     engine_prompt_ms: Callable[[int], float | None] = lambda index: None,
                     protocol: Protocol = Protocol(), room: int | None = None,
-                    copy: Callable[[tuple[int, ...], int], None] | None = None) -> dict[str, Any]:
+                    copy: Callable[[tuple[int, ...], int], None] | None = None,
+                    token_budget: int | None = None) -> dict[str, Any]:
     """The profile's measurement protocol against `serve(requests, concurrency) -> results` (a real engine through
     the load generator, or a simulated one; concurrency None: open loop at the requests' arrival times): a warm-up,
     prefill samples, decode waves at each concurrency, then mixed waves (prompts joining running decodes). `room`:
     the context one sequence may hold (None: no limit of its own).
     `engine_prompt_ms(index)`: the engine's own prompt time of the last run's request `index`, kept beside TTFT.
-    `copy`: the engine's prompt copies (Side.copies) for `DecodePrompts`."""
+    `copy`: the engine's prompt copies (Side.copies) for `DecodePrompts`. `token_budget`: the engine's tokens per
+    step (Side.step_tokens), for `Protocol.wave_tokens`."""
     serve(fresh_prompts(pool, max(2, batch_cap), 16, 8, rng), batch_cap)  # warm-up (every slot), not kept
     prefill: list[dict[str, Any]] = []
     t = time.perf_counter()
@@ -513,7 +548,8 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
         t_k = time.perf_counter()
         for p in decode_prompts:
             for _ in range(protocol.waves_at(k)):
-                results = serve(waves(k, p, DECODE_TOKENS), k)
+                tokens = protocol.wave_tokens(k, p, token_budget)
+                results = serve(waves(k, p, tokens if room is None else min(tokens, room - p)), k)
                 wave = wave_gaps(results, p)
                 gaps += wave
                 decode += [dict(s, prompt_tokens=p) for s in decode_samples(wave)]
@@ -552,10 +588,11 @@ def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool:
     for k in mixed_seqs(batch_cap):
         near = min((m for m in decoding_s if m >= k), default=max(decoding_s))
         step_s = statistics.median(g[2] for g in gaps if g[0] == near)
-        for i in range(0, len(prefill_lengths), MIXED_PROBES):
-            lengths = prefill_lengths[i:i + MIXED_PROBES]
+        for i in range(0, len(prefill_lengths), protocol.mixed_probes):
+            lengths = prefill_lengths[i:i + protocol.mixed_probes]
             reqs = mixed_wave(pool, k, lengths, decoding_s[near] * 1.25, step_s,
-                              lambda p: median_ttft.get(p, max(median_ttft.values())), room, rng, decodes)
+                              lambda p: median_ttft.get(p, max(median_ttft.values())), room, rng, decodes,
+                              protocol.mixed_gap_steps)
             out += mixed_steps(serve(reqs, None), k)
     return out
 
@@ -651,7 +688,8 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
     try:
         startup_s = time.perf_counter() - t_start
         samples = collect_samples(serve, pool, batch_cap, prefill_lengths, decode_prompts, rng, log,
-                                  lambda index: part.prompt_ms(engine, index), protocol, per_seq, copy)
+                                  lambda index: part.prompt_ms(engine, index), protocol, per_seq, copy,
+                                  part.step_tokens(engine, batch_cap))
         facts = part.facts(engine)
     finally:
         engine.stop(drain=False)
