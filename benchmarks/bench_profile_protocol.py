@@ -195,6 +195,10 @@ def main() -> int:
         s = p.get("samples", {})
         if not s.get("decode"):
             continue
+        if "decode_tokens" not in p["protocol"]:  # version 10's waves ask tokens by their size: not cut here
+            print(f"{p['key']['engine']} {p['key']['format'].get('quant')} ({name}): its waves asked "
+                  "different tokens out (profile version 10 on): skipped")
+            continue
         fmt = p["key"]["format"]
         title = f"{p['key']['engine']} {fmt.get('quant')} kv {fmt.get('kv_type', '-')} cap {p['batch_cap']}"
         full, _ = fit_step_model(s["decode"], s["prefill"], s["gaps"], s.get("mixed") or ())

@@ -308,6 +308,13 @@ LLAMACPP_PROTOCOL = Protocol(prefill_repeats=2, shared_prefix=True, one_wave_fro
 # torchao-int8wo, 18:36-18:50 UTC): refitted without their second waves from 2 sequences, the left-out steps
 # predicted -2.8% to +3.4% off (median per profile), the full fit on the same steps -0.3% to +13.4%
 # (benchmarks/bench_profile_protocol.py --drop second-wave --wide 2 --prefill-repeats 3; README, "Profile version 8").
+# Version 10 (transformers and vLLM): a wave's steps count only once its prompts are all in, so each wave asks
+# `decode_steps` (16) tokens more than the steps that takes at the engine's tokens per step (`Side.step_tokens`; was 32
+# whatever the batch), 2 prefill repeats (a third predicted as closely by the other two), and the four probe lengths
+# go into one mixed wave per batch size, 4 steps apart (was two waves of two, 12 apart). Offline on six version-8
+# transformers and two version-9 vLLM profiles, waves cut to 16 tokens predicted the decode samples -0.1% to +1.1% off
+# (median per profile; the full fit 0.0% to +1.0%); measured, the protocols alternated: transformers at cap 16
+# 0.63-0.83x the time after start-up, vLLM 0.70-0.81x, the same grids scored alike (README, "Profile version 10").
 TRANSFORMERS_PROTOCOL = Protocol(prefill_repeats=2, one_wave_from=2, decode_steps=16, mixed_probes=4, mixed_gap_steps=4)
 # vLLM-CPU (version 9) the same: at --max-num-seqs 32 (the vllm-cpu space's top) its waves took 92-155 s of a 169-239 s
 # profile (2026-12-06, bf16 and fp32), the 32-sequence waves 43-44% of them; refitted without their second waves from 2
@@ -543,13 +550,15 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     gaps: list[tuple[int, int, float]] = []
     decoding_s: dict[int, float] = {}  # per concurrency: the longest its short waves took until all decoded
     waves = DecodePrompts(pool, rng, protocol.shared_prefix, copy)
+    asked: dict[tuple[int, int], int] = {}  # (k, prompt tokens) -> the tokens out its waves asked
     t = time.perf_counter()
     for k in concurrencies(batch_cap):
         t_k = time.perf_counter()
         for p in decode_prompts:
             for _ in range(protocol.waves_at(k)):
                 tokens = protocol.wave_tokens(k, p, token_budget)
-                results = serve(waves(k, p, tokens if room is None else min(tokens, room - p)), k)
+                asked[k, p] = tokens if room is None else min(tokens, room - p)
+                results = serve(waves(k, p, asked[k, p]), k)
                 wave = wave_gaps(results, p)
                 gaps += wave
                 decode += [dict(s, prompt_tokens=p) for s in decode_samples(wave)]
@@ -567,6 +576,7 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     notes = ([f"prompt copies into the engine's slots stopped ({waves.failed}): decode prompts prefilled in full"]
              if waves.failed else [])
     return {"prefill": prefill, "decode": decode, "gaps": gaps, "mixed": mixed, "notes": notes,
+            "wave_tokens": [[k, p, n] for (k, p), n in asked.items()],
             "cost_s": {"prefill": prefill_s, "decode": decode_s, "mixed": time.perf_counter() - t}}
 
 
@@ -712,8 +722,9 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "batch_cap": batch_cap, "concurrencies": concurrencies(batch_cap),
         "protocol": {"prefill_tokens": prefill_lengths, "decode_prompts": decode_prompts,
-                     "decode_tokens": DECODE_TOKENS, **protocol.__dict__},
-        "ranges": {"max_seqs": batch_cap, "max_context_per_seq": max(decode_prompts) + DECODE_TOKENS,
+                     **({"decode_tokens": DECODE_TOKENS} if protocol.decode_steps is None else {}),
+                     "wave_tokens": samples["wave_tokens"], **protocol.__dict__},  # (k, prompt tokens, tokens out)
+        "ranges": {"max_seqs": batch_cap, "max_context_per_seq": max(p + n for _, p, n in samples["wave_tokens"]),
                    "max_prompt_tokens": max(prefill_lengths)},
         "fit": fit,
         "samples": {"decode": decode, "prefill": prefill, "mixed": mixed,
