@@ -195,7 +195,7 @@ def main() -> int:
         s = p.get("samples", {})
         if not s.get("decode"):
             continue
-        if "decode_tokens" not in p["protocol"]:  # version 10's waves ask tokens by their size: not cut here
+        if p["protocol"].get("decode_steps") is not None:  # version 10's waves ask tokens by their size: not cut here
             print(f"{p['key']['engine']} {p['key']['format'].get('quant')} ({name}): its waves asked "
                   "different tokens out (profile version 10 on): skipped")
             continue
@@ -216,11 +216,11 @@ def main() -> int:
                                        samples.get("mixed") or ())
             left = [x for x in s["prefill"] if x not in samples["prefill"]]  # prefill repeats left out
             if left:
-                ttft = [(m.prefill_s(x["prompt_tokens"]) - x["ttft_s"]) / x["ttft_s"] for m in (part, full) for x in left]
+                e_out, e_in = ([(m.prefill_s(x["prompt_tokens"]) - x["ttft_s"]) / x["ttft_s"] for x in left]
+                               for m in (part, full))
                 parts.append(f"the prefill TTFTs left out (n={len(left)}): without them median "
-                             f"{statistics.median(ttft[:len(left)]):+.1%}, worst {max(ttft[:len(left)], key=abs):+.1%}; "
-                             f"the full fit median {statistics.median(ttft[len(left):]):+.1%}, worst "
-                             f"{max(ttft[len(left):], key=abs):+.1%}")
+                             f"{statistics.median(e_out):+.1%}, worst {max(e_out, key=abs):+.1%}; the full fit median "
+                             f"{statistics.median(e_in):+.1%}, worst {max(e_in, key=abs):+.1%}")
             if not held:
                 parts.append(f"{what}: none measured")
                 continue

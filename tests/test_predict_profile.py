@@ -163,10 +163,11 @@ def test_other_engines_send_every_wave_fresh() -> None:
 def test_short_single_waves_from_two_sequences_and_one_mixed_wave_per_batch_size_still_recover_the_model(
         engine_name: str) -> None:
     # prof.TRANSFORMERS_PROTOCOL and VLLM_PROTOCOL (version 10): two waves per prompt length at 1 sequence, one from 2
-    # on, each asking 16 tokens more than the steps its prompts take to get in at the engine's tokens per step (here 528, transformers' at cap 16: 16 prompts of 320 tokens take 10 steps); the four
-    # probe lengths sent into one mixed wave per batch size, 4 steps apart. On a noisy engine with a context slope per
-    # batch size (3% step noise) and a prompt joining running decodes cheaper than alone, the fit still recovers each
-    # batch size's step and the mixed step within 5% (so did version 9's mixed waves: 1-5% over five seeds)
+    # on, each asking 16 tokens more than the steps its prompts take to get in at the engine's tokens per step (here
+    # 528, transformers' at cap 16: 16 prompts of 320 tokens take 10 steps); the four probe lengths sent into one mixed
+    # wave per batch size, 4 steps apart. On a noisy engine with a context slope per batch size (3% step noise) and a
+    # prompt joining running decodes cheaper than alone, the fit still recovers each batch size's step and the mixed
+    # step within 5% (so did version 9's mixed waves: 1-5% over five seeds)
     truth = StepModel(**{**TRUTH.to_dict(), "noise_sigma": 0.03, "prefill_base_s": 0.030, "mixed": True,
                          "mixed_base_s": 0.002, "mixed_per_token_s": 5e-5, "prefill_per_token_sq_s": 2e-7,
                          "mixed_per_token_sq_s": 1e-7,
