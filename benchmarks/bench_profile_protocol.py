@@ -133,39 +133,26 @@ def request_runs(gaps: list[Any]) -> list[list[Any]]:
 def with_shorter_waves(profile: dict[str, Any], tokens: int, from_k: int) -> tuple[dict[str, Any], list[Any]]:
     """The samples as waves of `tokens` output tokens (instead of the profile's) would have given them, from `from_k`
     sequences on: each request's kept gaps end `decode_tokens - tokens` steps earlier (the wave's first finish
-    comes that much sooner; every request decodes in the same steps), summarised again per quarter; and all the
-    profile's decode samples, held out (the full fit's own, in sample)."""
+    comes that much sooner; every request decodes in the same steps), summarised again per quarter (a wave: k
+    requests in a row); and all the profile's decode samples, held out (the full fit's own, in sample)."""
     from tuner.predict.profile import decode_samples
 
     s, cut = profile["samples"], profile["protocol"]["decode_tokens"] - tokens
     lengths = sorted(profile["protocol"]["decode_prompts"])
     gaps, decode = [], []
     wave: list[Any] = []
-    reqs = request_runs(s["gaps"])
-    for i, run in enumerate(reqs):
+    n = 0
+    for run in request_runs(s["gaps"]):
         k = run[0][0]
         kept = run[:max(0, len(run) - cut)] if k >= from_k else run
         gaps += kept
-        wave += kept
-        if i + 1 == len(reqs) or len(wave) and (reqs[i + 1][0][0] != k or reqs[i + 1][0][1] < run[0][1] - k * 64
-                                                or _wave_done(reqs, i, k)):
-            p = max(x for x in lengths if x * k <= min(g[1] for g in wave)) if wave else None
-            decode += [dict(d, prompt_tokens=p) for d in decode_samples(wave)] if wave else []
-            wave = []
+        wave, n = wave + kept, n + 1
+        if n == k:
+            if wave:
+                p = max(x for x in lengths if x * k <= min(g[1] for g in wave))
+                decode += [dict(d, prompt_tokens=p) for d in decode_samples(wave)]
+            wave, n = [], 0
     return {**s, "decode": decode, "gaps": gaps}, s["decode"]
-
-
-def _wave_done(reqs: list[list[Any]], i: int, k: int) -> bool:
-    """Whether request run i is its wave's last: a wave holds k requests (runs counted since the concurrency or the
-    prompt length changed)."""
-    j, n = i, 0
-    while j >= 0 and reqs[j][0][0] == k and _length(reqs[j], k) == _length(reqs[i], k):
-        j, n = j - 1, n + 1
-    return n % k == 0
-
-
-def _length(run: list[Any], k: int) -> int:
-    return 0 if run[0][1] // k < 200 else 1
 
 
 def read_profiles(where: Path) -> list[tuple[str, dict[str, Any]]]:
