@@ -146,28 +146,37 @@ def test_a_copy_the_engine_refuses_stops_the_copies_and_the_profile_says_so() ->
         list(prof.DECODE_PROMPTS), random.Random(0), protocol=prof.LLAMACPP_PROTOCOL)["decode"])
 
 
-def test_other_engines_send_every_wave_fresh() -> None:
+def test_vllm_sends_every_wave_fresh() -> None:
     engine = SimulatedEngine(TRUTH, 4)
-    sent: list[tuple[int, ...]] = []
-    for name in ("transformers", "vllm"):  # two waves per length at 1 sequence, one from 2 on
-        sent.clear()
-        prof.collect_samples(lambda reqs, k: sent.extend(r.prompt_ids for r in reqs if k is not None
-                                                         and len(r.prompt_ids) in prof.DECODE_PROMPTS)
-                             or engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
-                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0),
-                             protocol=prof.SIDES[name].protocol)
-        assert len(sent) == 2 * 2 * 1 + 2 * (2 + 4) and len(set(sent)) == len(sent), name
+    sent: list[tuple[int, ...]] = []  # two waves per length at 1 sequence, one from 2 on
+    prof.collect_samples(lambda reqs, k: sent.extend(r.prompt_ids for r in reqs if k is not None
+                                                     and len(r.prompt_ids) in prof.DECODE_PROMPTS)
+                         or engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
+                         list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0),
+                         protocol=prof.VLLM_PROTOCOL)
+    assert len(sent) == 2 * 2 * 1 + 2 * (2 + 4) and len(set(sent)) == len(sent)
 
 
-@pytest.mark.parametrize("engine_name", ["transformers", "vllm"])
+@pytest.mark.parametrize("engine_name, prefix_block, long_tokens", [
+    # vLLM (fresh prompts: its CPU attention reads a shared prefix's blocks faster, 0.81-0.89x the step of fresh
+    # ones, benchmarks/bench_shared_prefix.py): 16 + the steps k prompts of 320 tokens take at 528 a step: 1, 2, 3, 5,
+    # 10
+    ("vllm", None, (17, 18, 19, 21, 26)),
+    # transformers (version 11): the long prompts share a prefix whose whole 256-token block its prefix cache serves
+    # once computed, so k of them prefill 320 + (k - 1) x 64 tokens: 1, 1, 1, 2, 3 steps. The simulated engine has no
+    # prefix cache: it prefills them in full, so the wide waves keep fewer steps (16 sequences: about 9), the worst
+    # case of an engine that evicted the prefix
+    ("transformers", 256, (17, 17, 17, 18, 19)),
+])
 def test_short_single_waves_from_two_sequences_and_one_mixed_wave_per_batch_size_still_recover_the_model(
-        engine_name: str) -> None:
-    # prof.TRANSFORMERS_PROTOCOL and VLLM_PROTOCOL (version 10): two waves per prompt length at 1 sequence, one from 2
-    # on, each asking 16 tokens more than the steps its prompts take to get in at the engine's tokens per step (here
-    # 528, transformers' at cap 16: 16 prompts of 320 tokens take 10 steps); the four probe lengths sent into one mixed
-    # wave per batch size, 4 steps apart. On a noisy engine with a context slope per batch size (3% step noise) and a
-    # prompt joining running decodes cheaper than alone, the fit still recovers each batch size's step and the mixed
-    # step within 5% (so did version 9's mixed waves: 1-5% over five seeds)
+        engine_name: str, prefix_block: int | None, long_tokens: tuple[int, ...]) -> None:
+    # prof.TRANSFORMERS_PROTOCOL and VLLM_PROTOCOL (versions 10-11): two waves per prompt length at 1 sequence, one
+    # from 2 on, each asking 16 tokens more than the steps its prompts take to get in at the engine's tokens per step
+    # (here 528, transformers' at cap 16); the four probe lengths sent into one mixed wave per batch size, 4 steps
+    # apart.
+    # On a noisy engine with a context slope per batch size (3% step noise) and a prompt joining running decodes
+    # cheaper than alone, the fit still recovers each batch size's step and the mixed step within 5% (so did version
+    # 9's mixed waves: 1-5% over five seeds)
     truth = StepModel(**{**TRUTH.to_dict(), "noise_sigma": 0.03, "prefill_base_s": 0.030, "mixed": True,
                          "mixed_base_s": 0.002, "mixed_per_token_s": 5e-5, "prefill_per_token_sq_s": 2e-7,
                          "mixed_per_token_sq_s": 1e-7,
@@ -185,12 +194,13 @@ def test_short_single_waves_from_two_sequences_and_one_mixed_wave_per_batch_size
         return engine.run(reqs, concurrency=k).results
 
     s = prof.collect_samples(serve, list(range(20_000)), 16, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
-                             random.Random(3), protocol=prof.SIDES[engine_name].protocol, token_budget=budget)
+                             random.Random(3), protocol=prof.SIDES[engine_name].protocol, token_budget=budget,
+                             prefix_block=lambda: prefix_block)
     short, long = prof.DECODE_PROMPTS
-    steps_in = {(k, p): -(-k * p // budget) for k in (2, 4, 8, 16) for p in (short, long)}  # 1 at 1 sequence
-    assert waves == [(1, short, 17), (1, short, 17), (1, long, 17), (1, long, 17)] + [
-        (k, p, 16 + steps_in[k, p]) for k in (2, 4, 8, 16) for p in (short, long)] + [
-        (None, 1, 4), (None, 15, 4)]
+    short_tokens = (17, 17, 17, 17, 17)  # 16 + 1: up to 16 prompts of 32 tokens get in in one step
+    assert waves == [(1, short, 17), (1, short, 17), (1, long, long_tokens[0]), (1, long, long_tokens[0])] + [
+        (k, p, tokens[i]) for i, k in enumerate((2, 4, 8, 16), start=1)
+        for p, tokens in ((short, short_tokens), (long, long_tokens))] + [(None, 1, 4), (None, 15, 4)]
     assert {(m["seqs"], m["prompt_tokens"]) for m in s["mixed"]} >= {(1, p) for p in prof.PREFILL_TOKENS}
     model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"], s["mixed"])
     assert fit["context_slope"]["per_batch"] and model.mixed
@@ -199,6 +209,26 @@ def test_short_single_waves_from_two_sequences_and_one_mixed_wave_per_batch_size
             assert model.decode_s(k, ctx) == pytest.approx(truth.decode_s(k, ctx), rel=0.05), (k, ctx)
     for k, tokens in ((1, 16), (1, 384), (15, 64)):
         assert model.step_s(k, 100 * k, tokens) == pytest.approx(truth.step_s(k, 100 * k, tokens), rel=0.05)
+
+
+def test_transformers_decode_prompts_share_one_prefix_per_length_with_fresh_tails() -> None:
+    # prof.TRANSFORMERS_PROTOCOL (version 11): no copies (transformers' prefix cache serves the prefix's whole
+    # blocks once one prompt has computed them); every wave's prompts of one length share one prefix, all but their
+    # last SHARED_TAIL tokens; the mixed waves' probes stay fresh
+    engine = SimulatedEngine(TRUTH, 4)
+    sent: list[tuple[int | None, list[Any]]] = []
+    prof.collect_samples(lambda reqs, k: sent.append((k, list(reqs))) or engine.run(reqs, concurrency=k).results,
+                         list(range(20_000)), 4, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
+                         random.Random(0), protocol=prof.TRANSFORMERS_PROTOCOL, token_budget=4 + 512,
+                         prefix_block=lambda: 256)
+    tail = prof.SHARED_TAIL
+    for p in prof.DECODE_PROMPTS:
+        ids = [r.prompt_ids for k, reqs in sent if k is not None for r in reqs if len(r.prompt_ids) == p]
+        assert len(ids) == 2 * 1 + 2 + 4  # two waves at 1 sequence, one at 2 and 4
+        assert len({x[:-tail] for x in ids}) == 1 and len({x[-tail:] for x in ids}) == len(ids)
+    long_prefix = next(r.prompt_ids[:-tail] for k, reqs in sent for r in reqs if len(r.prompt_ids) == 320)
+    probes = [r.prompt_ids for k, reqs in sent if k is None for r in reqs if r.max_tokens == 1]
+    assert len(probes) == 4 * 2 and all(x[:8] != long_prefix[:8] for x in probes)
 
 
 def test_a_profile_fitted_by_older_rules_is_fitted_again_from_its_samples_without_measuring(

@@ -9,6 +9,8 @@
   ITL) before and after each step says whether the engine's own speed held within what the bands carry
   (tuner.predict.estimate.SPEED_DRIFT): past it the comparison is indeterminate (skipped with the figures), the
   neighbours, not the model, deciding it (as tests/test_predict_llamacpp.py does for llama.cpp).
+* Real: the premise of its shared decode prefixes: prompts sharing a prefix whose whole blocks the engine computed
+  get in with their tails prefilled only (served by its prefix cache), fresh ones in full (the control).
 * Unit: the transformers profile key (torch and transformers versions, the checkpoint's hash, the format, the host);
   a cached profile of another build or host is measured again with a note, never reused silently, also when a
   doctored one sits under this key's own file name; a configuration with a draft is refused in one line.
@@ -137,6 +139,39 @@ def canary():
         yield speed
     finally:
         engine.stop(drain=False)
+
+
+def test_decode_prompts_sharing_a_prefix_get_in_with_their_tails_prefilled_only() -> None:
+    # The premise of the transformers profile's shared prefixes (prof.TRANSFORMERS_PROTOCOL, version 11) on the real
+    # engine: at cap 4 a step holds 516 tokens, so four fresh prompts of 320 tokens take three steps to get in (their
+    # first tokens at steps 1, 2, 2 and 3), while four sharing a prefix whose whole 256-token block the engine has
+    # already computed (a wave of them just before) need 64 tokens each: one step, their first tokens together
+    import random
+
+    from tuner.engines.registry import backend
+    from tuner.measure.loadgen import run_load
+    from tuner.measure.workload import token_pool
+
+    engine, _, tokenizer = backend("transformers").open(CONFIG.replace(batch_cap=4), ignore_eos=True)
+    pool, rng = token_pool(tokenizer), random.Random(0)
+    engine.start()
+    try:
+        shared = prof.DecodePrompts(pool, rng, shared_prefix=True)
+
+        def first_tokens(reqs: list[Any]) -> tuple[list[float], list[float]]:
+            rs = run_load(engine, reqs, concurrency=4, progress=False).results
+            assert all(r.ok for r in rs), [r.error for r in rs]
+            return [r.send_s + r.ttft_ms / 1e3 for r in rs], [g / 1e3 for r in rs for g in r.itl_ms]
+
+        first_tokens(shared(4, 320, 4))  # computes the prefix's block
+        assert engine.prefix_cache_block() == 256  # the engine's own figure (its cache is built by its first step)
+        together, _ = first_tokens(shared(4, 320, 4))
+        apart, gaps = first_tokens(prof.fresh_prompts(pool, 4, 320, 4, rng))
+    finally:
+        engine.stop(drain=False)
+    step_s = statistics.median(gaps)  # a decode step of 4 sequences
+    assert max(together) - min(together) < 0.5 * step_s, (together, step_s)
+    assert max(apart) - min(apart) > 2 * step_s, (apart, step_s)  # the control: fresh prompts take 3 steps
 
 
 def tuner_json(tmp_path: Path, name: str, *args: str) -> dict:

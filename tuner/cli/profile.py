@@ -46,7 +46,8 @@ def format_profile(p: dict[str, Any]) -> str:
              f"{key['host']['cpu_model']} x{key['host']['cores']}",
              f"  measured {p.get('measured_at')}" + (f" (fitted again {p['fitted_at']})" if p.get("fitted_at") else "")
              + f" at batch cap {p['batch_cap']} (sequences {p['concurrencies']}"
-             + ("; decode prompts sharing a prefix per length, copied into the slots"
+             + ("; decode prompts sharing a prefix per length, "
+                + ("copied into the slots" if key["engine"] == "llamacpp" else "served by the engine's prefix cache")
                 if (p.get("protocol") or {}).get("shared_prefix") else "")
              + (f"; one decode wave per length from {wide} sequences"
                 if (wide := (p.get("protocol") or {}).get("one_wave_from")) and wide <= p["batch_cap"] else "")

@@ -149,6 +149,15 @@ class ContinuousBatchingEngine(Engine):
             return None
         return {"num_blocks": int(cache.num_blocks), "block_tokens": int(page), "tokens": int(cache.num_blocks) * int(page)}
 
+    def prefix_cache_block(self) -> int | None:
+        """Tokens per block of the running engine's prefix cache (transformers' block sharing: a prompt whose first
+        whole blocks match blocks already computed reuses them and prefills the rest); None when it does not share
+        blocks, or before its generation loop has built the cache."""
+        processor = getattr(self.manager, "batch_processor", None) if self.manager is not None else None
+        cache = getattr(processor, "cache", None)
+        kv = self.kv_capacity()
+        return kv["block_tokens"] if kv and getattr(cache, "use_prefix_sharing", False) else None
+
     def info(self) -> dict[str, Any]:
         cb = getattr(self.manager, "continuous_batching_config", None) if self.manager else None
         resolved = {}

@@ -10,7 +10,8 @@ interface with the real load generator:
   of one length share a prefix whose KV cache is copied into the slots before each wave; version 7, one wave per
   length from 8 sequences on; transformers and vLLM, `TRANSFORMERS_PROTOCOL` and `VLLM_PROTOCOL`: versions 8 and 9, one
   wave per length from 2 sequences on; version 10, each wave asks 16 tokens more than the steps its prompts take to get
-  in at the engine's tokens per step, `Protocol.wave_tokens`). Only the streamed gaps that fall
+  in at the engine's tokens per step, `Protocol.wave_tokens`; version 11, transformers' prompts of one length share a
+  prefix served by its prefix cache, `Side.prefix_block`). Only the streamed gaps that fall
   while all k requests decode (after the wave's last first token, before its first finish) are kept: each is one
   step of k sequences; their medians per quarter of the output give (k, context tokens summed, step seconds) samples.
 * **prefill**: single requests of several prompt lengths (one token out; `Protocol.prefill_repeats` each: 2) on
@@ -64,13 +65,14 @@ from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
 
-VERSION = 10  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
+VERSION = 11  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
 # 5: the engine's own protocol (`Side.protocol`: llama.cpp's waves send prompts again, served by its prompt cache);
 # 6: llama.cpp's decode prompts share a prefix per length, copied into its slots before each wave (slot restore);
 # 7: llama.cpp: one decode wave per length from 8 sequences on, 2 prefill repeats (LLAMACPP_PROTOCOL)
 # 8: transformers: one decode wave per length from 2 sequences on (TRANSFORMERS_PROTOCOL); 9: vLLM too (VLLM_PROTOCOL)
 # 10: transformers and vLLM: each decode wave 16 steps past its prompts' entry, 2 prefill repeats, one mixed wave per
-# batch size (its probes 4 steps apart)
+# batch size (its probes 4 steps apart); 11: transformers' decode prompts share a prefix per length, served by its
+# prefix cache (block sharing), each wave's tokens out counted from the tokens it prefills
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -116,13 +118,15 @@ class Protocol:
         """Decode waves per prompt length at k sequences."""
         return 1 if self.one_wave_from is not None and k >= self.one_wave_from else self.decode_waves
 
-    def wave_tokens(self, k: int, prompt_tokens: int, token_budget: int | None) -> int:
+    def wave_tokens(self, k: int, prompt_tokens: int, token_budget: int | None, cached_tokens: int = 0) -> int:
         """Tokens out of a decode wave of k prompts of `prompt_tokens`: DECODE_TOKENS, or (`decode_steps` set and the
         engine's tokens per step, `token_budget`, known) `decode_steps` more than the steps the wave's prompts take to
-        get in at that budget: a wave's steps are kept only once all its k sequences decode."""
+        get in at that budget: a wave's steps are kept only once all its k sequences decode. `cached_tokens`: of each
+        prompt after the first, the tokens the engine's prefix cache serves (`DecodePrompts.cached`)."""
         if self.decode_steps is None or token_budget is None:
             return DECODE_TOKENS
-        return self.decode_steps + math.ceil(k * prompt_tokens / token_budget)
+        return self.decode_steps + math.ceil((prompt_tokens + (k - 1) * (prompt_tokens - cached_tokens))
+                                             / token_budget)
 
 
 def concurrencies(batch_cap: int) -> list[int]:
@@ -160,6 +164,9 @@ class Side:
     step_tokens: Callable[[Any, int], int | None] = lambda engine, cap: None  # the started engine's tokens per step
     # at the cap (decodes and prompt tokens), for Protocol.wave_tokens; None: not known
     protocol: Protocol = Protocol()  # what its profile measures (see LLAMACPP_PROTOCOL)
+    # the started engine's prefix cache: tokens per block a prompt matches whole blocks of (None: no prefix cache),
+    # for Protocol.wave_tokens where the decode prompts share prefixes
+    prefix_block: Callable[[Any], int | None] = lambda engine: None
     # before start: let the engine copy a prompt's KV cache into its slots (in the scratch directory given) and
     # return `copy(prompt ids, slots)`; None: it cannot (Protocol.shared_prefix then shares prefixes only)
     copies: Callable[[Any, Path], Callable[[tuple[int, ...], int], None]] | None = None
@@ -315,7 +322,14 @@ LLAMACPP_PROTOCOL = Protocol(prefill_repeats=2, shared_prefix=True, one_wave_fro
 # transformers and two version-9 vLLM profiles, waves cut to 16 tokens predicted the decode samples -0.1% to +1.1% off
 # (median per profile; the full fit 0.0% to +1.0%); measured, the protocols alternated: transformers at cap 16
 # 0.63-0.83x the time after start-up, vLLM 0.70-0.81x, the same grids scored alike (README, "Profile version 10").
-TRANSFORMERS_PROTOCOL = Protocol(prefill_repeats=2, one_wave_from=2, decode_steps=16, mixed_probes=4, mixed_gap_steps=4)
+# Version 11 (transformers): the decode prompts of one length share a prefix (all but their last SHARED_TAIL tokens),
+# whose whole blocks transformers' continuous batching serves from its prefix cache (block sharing, 256 tokens a block
+# by default) once one prompt has computed them: 16 prompts of 320 tokens then prefill 320 + 15 x 64 tokens instead
+# of 5,120, and the wave asks the steps that takes. Its steps are those of fresh prompts: sdpa attention reads each
+# sequence's whole context through its block table, shared or not (paired waves, fresh and shared alternated, bf16
+# and bnb-int8 at cap 16: README, "Profile version 11").
+TRANSFORMERS_PROTOCOL = Protocol(prefill_repeats=2, shared_prefix=True, one_wave_from=2, decode_steps=16,
+                                 mixed_probes=4, mixed_gap_steps=4)
 # vLLM-CPU (version 9) the same: at --max-num-seqs 32 (the vllm-cpu space's top) its waves took 92-155 s of a 169-239 s
 # profile (2026-12-06, bf16 and fp32), the 32-sequence waves 43-44% of them; refitted without their second waves from 2
 # sequences the left-out steps predicted +4.8% and +1.1% off (median), the full fit +1.8% and +1.8% (README, "Profile
@@ -334,7 +348,8 @@ SIDES: dict[str, Side] = {
                      llamacpp_facts, llamacpp_limits, protocol=LLAMACPP_PROTOCOL, copies=llamacpp_copies),
     "transformers": Side("max_requests_per_batch", transformers_identity, lambda engine, cap: None,
                          lambda engine, index: None, transformers_facts, transformers_limits, in_process=True,
-                         protocol=TRANSFORMERS_PROTOCOL, step_tokens=transformers_step_tokens),
+                         protocol=TRANSFORMERS_PROTOCOL, step_tokens=transformers_step_tokens,
+                         prefix_block=lambda engine: engine.prefix_cache_block()),
     "vllm": Side("--max-num-seqs", vllm_identity, lambda engine, cap: None, lambda engine, index: None, vllm_facts,
                  vllm_limits, protocol=VLLM_PROTOCOL, step_tokens=vllm_step_tokens),
 }
@@ -395,13 +410,21 @@ class DecodePrompts:
     each the prefix drawn once for its length followed by `SHARED_TAIL` fresh tokens, the prefix's KV cache first
     copied into the engine's first `n` slots (`copy`, where the engine can) so each prompt prefills its tail only. A
     copy the engine refuses stops the copies (`failed` says why): each prompt is then prefilled in full unless its
-    slot still holds the prefix from an earlier wave (slower; the same decode steps)."""
+    slot still holds the prefix from an earlier wave (slower; the same decode steps). Without `copy` an engine with a
+    prefix cache (transformers' block sharing) serves the prefix's whole blocks once a prompt has computed them."""
 
     def __init__(self, pool: list[int], rng: random.Random, shared_prefix: bool,
                  copy: Callable[[tuple[int, ...], int], None] | None = None) -> None:
         self.pool, self.rng, self.shared_prefix, self.copy = pool, rng, shared_prefix, copy
         self.prefixes: dict[int, tuple[int, ...]] = {}
         self.failed: str | None = None
+
+    def cached(self, prompt_tokens: int, block: int | None) -> int:
+        """Tokens of a prompt of this length that an engine's prefix cache of `block` tokens a block serves once its
+        prefix is in the cache: the prefix's whole blocks (0: prompts not shared, or no prefix cache)."""
+        if not self.shared_prefix or not block or prompt_tokens <= SHARED_TAIL:
+            return 0
+        return (prompt_tokens - SHARED_TAIL) // block * block
 
     def __call__(self, n: int, prompt_tokens: int, max_tokens: int) -> list[Request]:
         if not self.shared_prefix or prompt_tokens <= SHARED_TAIL:
@@ -528,15 +551,18 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
                     engine_prompt_ms: Callable[[int], float | None] = lambda index: None,
                     protocol: Protocol = Protocol(), room: int | None = None,
                     copy: Callable[[tuple[int, ...], int], None] | None = None,
-                    token_budget: int | None = None) -> dict[str, Any]:
+                    token_budget: int | None = None, prefix_block: Callable[[], int | None] = lambda: None
+                    ) -> dict[str, Any]:
     """The profile's measurement protocol against `serve(requests, concurrency) -> results` (a real engine through
     the load generator, or a simulated one; concurrency None: open loop at the requests' arrival times): a warm-up,
     prefill samples, decode waves at each concurrency, then mixed waves (prompts joining running decodes). `room`:
     the context one sequence may hold (None: no limit of its own).
     `engine_prompt_ms(index)`: the engine's own prompt time of the last run's request `index`, kept beside TTFT.
     `copy`: the engine's prompt copies (Side.copies) for `DecodePrompts`. `token_budget`: the engine's tokens per
-    step (Side.step_tokens), for `Protocol.wave_tokens`."""
+    step (Side.step_tokens), and `prefix_block()` its prefix cache's tokens per block (Side.prefix_block, asked once
+    the warm-up has run: transformers builds its cache in its first step), for `Protocol.wave_tokens`."""
     serve(fresh_prompts(pool, max(2, batch_cap), 16, 8, rng), batch_cap)  # warm-up (every slot), not kept
+    block = prefix_block()
     prefill: list[dict[str, Any]] = []
     t = time.perf_counter()
     for p in prefill_lengths:
@@ -556,7 +582,7 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
         t_k = time.perf_counter()
         for p in decode_prompts:
             for _ in range(protocol.waves_at(k)):
-                tokens = protocol.wave_tokens(k, p, token_budget)
+                tokens = protocol.wave_tokens(k, p, token_budget, waves.cached(p, block))
                 asked[k, p] = tokens if room is None else min(tokens, room - p)
                 results = serve(waves(k, p, asked[k, p]), k)
                 wave = wave_gaps(results, p)
@@ -576,7 +602,7 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     notes = ([f"prompt copies into the engine's slots stopped ({waves.failed}): decode prompts prefilled in full"]
              if waves.failed else [])
     return {"prefill": prefill, "decode": decode, "gaps": gaps, "mixed": mixed, "notes": notes,
-            "wave_tokens": [[k, p, n] for (k, p), n in asked.items()],
+            "wave_tokens": [[k, p, n] for (k, p), n in asked.items()], "prefix_block": block,
             "cost_s": {"prefill": prefill_s, "decode": decode_s, "mixed": time.perf_counter() - t}}
 
 
@@ -586,9 +612,9 @@ def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool:
                   rng: random.Random, protocol: Protocol,
                   decodes: Callable[[int, int, int], list[Request]] | None = None) -> list[dict[str, Any]]:
     """Mixed waves (`mixed_wave`, sent open loop; `decodes`: the decode waves' kind of prompts, so the decodes start
-    as those waves' did) at each of `mixed_seqs`, the prompt lengths in pairs, paced by what the short decode waves
-    at the nearest concurrency at or above took (steps, time until all decoded) and by the prefill TTFTs measured
-    before."""
+    as those waves' did) at each of `mixed_seqs`, the prompt lengths in groups of `protocol.mixed_probes`, paced by
+    what the short decode waves at the nearest concurrency at or above took (steps, time until all decoded) and by
+    the prefill TTFTs measured before."""
     if not protocol.mixed or not gaps or not prefill or not decoding_s:
         return []
     median_ttft = {p: statistics.median(s["ttft_s"] for s in prefill if s["prompt_tokens"] == p)
@@ -597,7 +623,10 @@ def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool:
     out: list[dict[str, Any]] = []
     for k in mixed_seqs(batch_cap):
         near = min((m for m in decoding_s if m >= k), default=max(decoding_s))
-        step_s = statistics.median(g[2] for g in gaps if g[0] == near)
+        # the short waves' step (the mixed decodes' prompts are theirs): the longer prompts' steps, slower, would
+        # space the probes wider and leave the decodes too few tokens to outlast them
+        short = [g[2] for g in gaps if g[0] == near and g[1] < near * max(decode_prompts)]
+        step_s = statistics.median(short or [g[2] for g in gaps if g[0] == near])
         for i in range(0, len(prefill_lengths), protocol.mixed_probes):
             lengths = prefill_lengths[i:i + protocol.mixed_probes]
             reqs = mixed_wave(pool, k, lengths, decoding_s[near] * 1.25, step_s,
@@ -699,7 +728,7 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
         startup_s = time.perf_counter() - t_start
         samples = collect_samples(serve, pool, batch_cap, prefill_lengths, decode_prompts, rng, log,
                                   lambda index: part.prompt_ms(engine, index), protocol, per_seq, copy,
-                                  part.step_tokens(engine, batch_cap))
+                                  part.step_tokens(engine, batch_cap), lambda: part.prefix_block(engine))
         facts = part.facts(engine)
     finally:
         engine.stop(drain=False)
@@ -723,7 +752,8 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
         "batch_cap": batch_cap, "concurrencies": concurrencies(batch_cap),
         "protocol": {"prefill_tokens": prefill_lengths, "decode_prompts": decode_prompts,
                      **({"decode_tokens": DECODE_TOKENS} if protocol.decode_steps is None else {}),
-                     "wave_tokens": samples["wave_tokens"], **protocol.__dict__},  # (k, prompt tokens, tokens out)
+                     "wave_tokens": samples["wave_tokens"], **protocol.__dict__,  # (k, prompt tokens, tokens out)
+                     **({"prefix_cache_block": samples["prefix_block"]} if protocol.shared_prefix else {})},
         "ranges": {"max_seqs": batch_cap, "max_context_per_seq": max(p + n for _, p, n in samples["wave_tokens"]),
                    "max_prompt_tokens": max(prefill_lengths)},
         "fit": fit,
