@@ -28,12 +28,25 @@ from typing import Any
 MODEL = "smollm2-135m"
 
 
+def tuner_env() -> dict[str, str]:
+    """The environment that runs the `tuner` this process imports: `python -m tuner` looks in its working directory
+    first, so a run from the repository with PYTHONPATH naming another checkout (an older version's worktree) would
+    get the working directory's instead; PYTHONSAFEPATH=1 leaves the working directory out."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("tuner")
+    root = str(Path(spec.origin).parent.parent) if spec and spec.origin else ""
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": path}
+
+
 def tuner_json(*args: str) -> tuple[dict[str, Any], float]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "out.json"
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "tuner", *args, "--json", str(out)], capture_output=True,
-                              text=True)
+                              text=True, env=tuner_env())
         wall = time.perf_counter() - t
         if proc.returncode != 0:
             raise SystemExit(f"tuner {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
