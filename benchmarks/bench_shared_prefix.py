@@ -66,12 +66,12 @@ def main() -> int:
     engine, _model, tokenizer = backend(args.engine).open(config, ignore_eos=True)
     del _model
     pool, rng, plen = token_pool(tokenizer), random.Random(1), args.prompt_tokens
-    engine.start()
 
     def serve(reqs: list[Request], k: int) -> list:
         return run_load(engine, reqs, concurrency=k, timeout_s=600, progress=False).results
 
     try:
+        engine.start()
         part = side(config)
         budget = part.step_tokens(engine, args.batch_cap)
         serve(fresh_prompts(pool, args.batch_cap, 16, 8, rng), args.batch_cap)  # warm-up, not kept

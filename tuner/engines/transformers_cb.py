@@ -139,11 +139,15 @@ class ContinuousBatchingEngine(Engine):
                     self._finish(rid, "engine stopped before the request finished")
                 self.manager = None
 
+    def _cache(self) -> Any:
+        """transformers' paged KV cache of the running engine (None before its generation loop has built it)."""
+        processor = getattr(self.manager, "batch_processor", None) if self.manager is not None else None
+        return getattr(processor, "cache", None)
+
     def kv_capacity(self) -> dict[str, int] | None:
         """The paged KV cache the running engine allocated: whole-model blocks, tokens per block and tokens in all
         (read from transformers' cache, not recomputed); None before its generation loop has built it."""
-        processor = getattr(self.manager, "batch_processor", None) if self.manager is not None else None
-        cache = getattr(processor, "cache", None)
+        cache = self._cache()
         page = getattr(getattr(self.manager, "continuous_batching_config", None), "page_size", None)
         if cache is None or not page:
             return None
@@ -153,10 +157,8 @@ class ContinuousBatchingEngine(Engine):
         """Tokens per block of the running engine's prefix cache (transformers' block sharing: a prompt whose first
         whole blocks match blocks already computed reuses them and prefills the rest); None when it does not share
         blocks, or before its generation loop has built the cache."""
-        processor = getattr(self.manager, "batch_processor", None) if self.manager is not None else None
-        cache = getattr(processor, "cache", None)
         kv = self.kv_capacity()
-        return kv["block_tokens"] if kv and getattr(cache, "use_prefix_sharing", False) else None
+        return kv["block_tokens"] if kv and getattr(self._cache(), "use_prefix_sharing", False) else None
 
     def info(self) -> dict[str, Any]:
         cb = getattr(self.manager, "continuous_batching_config", None) if self.manager else None
