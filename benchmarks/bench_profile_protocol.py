@@ -7,7 +7,11 @@ list of them; default: this host's cache, $TUNER_CACHE/profiles). Two shorter pr
   llama.cpp's long waves at every batch size because of this (2026-12-06, six version-4 profiles of smollm2-135m at
   -np 16 -t 1, Q8_0/Q4_0/Q4_1 x KV auto/q8_0, measured within the hour): fitted without the long waves above 4
   sequences they predicted those waves' steps -7% to +15% off (median per profile; worst +36%), the full fit (in
-  sample) +0% to +6%: the context slope at 1-4 sequences differs from the one at 8-16.
+  sample) +0% to +6%: the context slope at 1-4 sequences differs from the one at 8-16. vLLM's version 12 protocol
+  (long prompts up to 16 sequences, `Protocol.long_waves_to`) came from `--up-to 16,8` on its three profiles at
+  `--max-num-seqs 32` (bf16 and fp32 of version 8 in benchmarks/data/profiles-vllm-2026-12-06-v8.json.gz, bf16 of
+  version 10 in profiles-2026-12-06-v10.json.gz): the 32-sequence long steps left out predicted -5.4%, +1.5%, +3.0%
+  off (median per profile; worst -12.5%), the full fit +0.2% to +0.4%; up to 8 sequences, -22.7% in one of them.
 * `--drop second-wave` (`--wide 8 --prefill-repeats 2`): without the second decode wave of each length from `wide`
   sequences on and the prefill repeats past `prefill_repeats` (profile version 7's llama.cpp protocol). `--write DIR`
   also writes the reduced profiles there (refitted, marked as this tuner's profile version with a note saying what
@@ -58,7 +62,8 @@ def without_long_waves(profile: dict[str, Any], up_to: int) -> tuple[dict[str, A
     short = min(profile["protocol"]["decode_prompts"])
     kept = [d for d in s["decode"] if d["prompt_tokens"] == short or d["seqs"] <= up_to]
     held = [d for d in s["decode"] if not (d["prompt_tokens"] == short or d["seqs"] <= up_to)]
-    gaps = [g for g in s["gaps"] if g[0] <= up_to or g[1] < g[0] * (short + profile["protocol"]["decode_tokens"] + 1)]
+    out = profile["protocol"].get("decode_tokens", 32)  # version 10 on: short waves ask fewer (16 + their entry)
+    gaps = [g for g in s["gaps"] if g[0] <= up_to or g[1] < g[0] * (short + out + 1)]
     return {**s, "decode": kept, "gaps": gaps}, held
 
 
@@ -182,7 +187,8 @@ def main() -> int:
         s = p.get("samples", {})
         if not s.get("decode"):
             continue
-        if p["protocol"].get("decode_steps") is not None:  # version 10's waves ask tokens by their size: not cut here
+        if args.drop == "tail" and p["protocol"].get("decode_steps") is not None:  # version 10's waves ask tokens
+            # by their size: not cut here
             print(f"{p['key']['engine']} {p['key']['format'].get('quant')} ({name}): its waves asked "
                   "different tokens out (profile version 10 on): skipped")
             continue

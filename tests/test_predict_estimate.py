@@ -72,6 +72,28 @@ def test_a_batch_cap_past_the_profile_is_extrapolated_with_a_wider_band(profiled
     assert width[1] >= width[0] + beyond["capacity"]["requests_per_s"] * 0.9  # widened by (8/4 - 1) x the rate
 
 
+def test_a_batch_past_the_long_prompts_of_its_profile_says_its_slope_is_held_and_is_not_extrapolated() -> None:
+    """A profile that sent long prompts up to 4 sequences of its 8 (vLLM's version-12 protocol does so above 16): a
+    prediction at 8 says the context's cost there is the one fitted at 4, without calling itself extrapolated (the
+    batch and the context were each measured); at 4, nothing said."""
+    protocol = prof.Protocol(prefill_repeats=2, one_wave_from=2, long_waves_to=4)
+    engine = SimulatedEngine(TRUTH, 8, seed=5)
+    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 8,
+                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0), protocol=protocol)
+    assert max(d["seqs"] for d in s["decode"] if d["prompt_tokens"] == max(prof.DECODE_PROMPTS)) == 4
+    _, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
+    profile = {"id": "simulated", "key": {"host": {}, "build": {}}, "fit": fit, "samples": s, "notes": [],
+               "batch_cap": 8, "protocol": protocol.__dict__,
+               "ranges": {"max_seqs": 8, "max_context_per_seq": max(prof.DECODE_PROMPTS) + prof.DECODE_TOKENS,
+                          "max_prompt_tokens": max(prof.PREFILL_TOKENS)}}
+    options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
+    pool = workload(options, 8)
+    held = "above 4 sequences a step's cost per context token is the one fitted at 4"
+    wide, narrow = (predict(profile, llamacpp(cap), pool, options, replicates=1) for cap in (8, 4))
+    assert any(n.startswith(held) for n in wide["notes"]) and wide["capacity"]["extrapolated"] == []
+    assert not any(n.startswith(held) for n in narrow["notes"])
+
+
 def test_the_band_covers_the_engine_running_slower_than_its_profile(profiled: dict[str, Any]) -> None:
     """The profiled engine, 18% slower by the time it serves (what a shared host's engine moved in a test run): its
     real capacity falls below a band of the fit's uncertainty alone, and inside the band that carries the engine's

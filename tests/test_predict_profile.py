@@ -211,6 +211,35 @@ def test_short_single_waves_from_two_sequences_and_one_mixed_wave_per_batch_size
         assert model.step_s(k, 100 * k, tokens) == pytest.approx(truth.step_s(k, 100 * k, tokens), rel=0.05)
 
 
+def test_vllm_sends_long_prompts_up_to_16_sequences_and_fits_the_wider_batches_slope_from_there() -> None:
+    # prof.VLLM_PROTOCOL (version 12) at --max-num-seqs 64: the long waves stop at 16 sequences (a 64-sequence one
+    # would prefill 20,480 tokens); 32 and 64 get short waves only. On an engine whose slope per batch size differs
+    # below 16 (so the fit takes one per batch size) and holds from 16 on, the steps at 32 and 64 sequences over long
+    # contexts -- never measured -- come out within 5%; the step at each batch size measured too
+    truth = StepModel(**{**TRUTH.to_dict(), "noise_sigma": 0.03,
+                         "decode_by_batch_s": ((1, 0.022), (2, 0.027), (4, 0.022), (8, 0.028), (16, 0.040),
+                                               (32, 0.064), (64, 0.110)),
+                         "decode_ctx_by_batch_s": ((1, 8e-6), (2, 1.4e-5), (4, 6e-6), (8, 1e-6), (16, 3.3e-6))})
+    engine = SimulatedEngine(truth, 64, token_budget=2048, seed=5)
+    sent: list[tuple[int, int]] = []
+
+    def serve(reqs: list[Any], k: int | None) -> list[Any]:
+        if k is not None and len(reqs[0].prompt_ids) in prof.DECODE_PROMPTS:
+            sent.append((k, len(reqs[0].prompt_ids)))
+        return engine.run(reqs, concurrency=k).results
+
+    s = prof.collect_samples(serve, list(range(40_000)), 64, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
+                             random.Random(5), protocol=prof.VLLM_PROTOCOL, token_budget=2048)
+    short, long = prof.DECODE_PROMPTS
+    assert sent == [(1, short), (1, short), (1, long), (1, long)] + [
+        (k, p) for k in (2, 4, 8, 16) for p in (short, long)] + [(32, short), (64, short)]
+    model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"], s["mixed"])
+    assert fit["context_slope"]["per_batch"] and [k for k, _ in model.decode_ctx_by_batch_s] == [1, 2, 4, 8, 16]
+    for k in (1, 2, 4, 8, 16, 32, 64):
+        for ctx in (40 * k, 340 * k):
+            assert model.decode_s(k, ctx) == pytest.approx(truth.decode_s(k, ctx), rel=0.05), (k, ctx)
+
+
 def test_transformers_decode_prompts_share_one_prefix_per_length_with_fresh_tails() -> None:
     # prof.TRANSFORMERS_PROTOCOL (version 11): no copies (transformers' prefix cache serves the prefix's whole
     # blocks once one prompt has computed them); every wave's prompts of one length share one prefix, all but their

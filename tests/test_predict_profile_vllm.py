@@ -134,6 +134,8 @@ def test_a_profile_of_another_vllm_version_or_checkpoint_is_measured_again_with_
 # ------------------------------------------------------------------------------------------------- real --- #
 def test_a_real_vllm_profile_reads_the_servers_limits_and_predicts(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
     from tuner.cli import main
     from tuner.engines import vllm
 
@@ -145,7 +147,9 @@ def test_a_real_vllm_profile_reads_the_servers_limits_and_predicts(tmp_path: Pat
     real_open = vllm.open_engine
     monkeypatch.setattr(vllm, "open_engine", lambda config, ignore_eos, log_path=None: real_open(
         config, ignore_eos, log))  # the same engine, its log kept for this test to read
-    profile = prof.load_or_measure(CONFIG, 2, protocol=QUICK)
+    # asked 18% of the memory (3-4 GiB of KV here), the profile launches the 1 GiB its waves need (vllm_served: a
+    # bigger KV space takes longer to start, and admission scales it)
+    profile = prof.load_or_measure(CONFIG.replace(kv_fraction=0.18), 2, protocol=QUICK)
     assert profile["cached"] is False and profile["key"]["engine"] == "vllm"
     assert {s["seqs"] for s in profile["samples"]["decode"]} == {1, 2}
     facts, text = profile["engine"], log.read_text(errors="replace")
@@ -160,8 +164,11 @@ def test_a_real_vllm_profile_reads_the_servers_limits_and_predicts(tmp_path: Pat
     assert "'compile_ranges_endpoints': [2048]" in text and "enable_chunked_prefill=True" in text
     assert facts["max_num_batched_tokens"] == 2048 and facts["chunked_prefill"] is True and facts["max_num_seqs"] == 2
     assert facts["prefix_cache_hit_tokens"] == 0  # every profile prompt was fresh (prefix caching on: vLLM's default)
+    assert any(n.startswith("served at KV fraction") and "(asked 0.18)" in n for n in profile["notes"])
     limits = prof.scheduler_limits(profile, CONFIG)
     assert limits["token_budget"] == 2048 and limits["kv_tokens"] == logged
+    asked = vllm.kv_cache_gib(0.18, psutil.virtual_memory().available)
+    assert asked > 1 and prof.scheduler_limits(profile, CONFIG.replace(kv_fraction=0.18))["kv_tokens"] == asked * logged
     out = tmp_path / "predict.json"
     assert main(["predict", *FLAGS, *WORKLOAD, "--slo", "ttft:p90<2s", "--replicates", "2", "--json", str(out)]) == 0
     predicted = json.loads(out.read_text())

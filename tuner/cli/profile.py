@@ -53,6 +53,8 @@ def format_profile(p: dict[str, Any]) -> str:
                 if (wide := (p.get("protocol") or {}).get("one_wave_from")) and wide <= p["batch_cap"] else "")
              + (f"; each {steps} steps past its prompts' entry"
                 if (steps := (p.get("protocol") or {}).get("decode_steps")) else "")
+             + (f"; long prompts up to {top} sequences, the context slope above taken from there"
+                if (top := (p.get("protocol") or {}).get("long_waves_to")) and top < p["batch_cap"] else "")
              + f") in "
              f"{cost.get('total', 0):.0f} s (startup {cost.get('startup', 0):.0f}, prefill {cost.get('prefill', 0):.0f}, "
              f"decode {cost.get('decode', 0):.0f}, mixed {cost.get('mixed', 0):.0f})",

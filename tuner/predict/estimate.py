@@ -229,6 +229,16 @@ def extrapolation(profile: dict[str, Any], batch_cap: int, pool: Sequence[Reques
     return max([1.0, *factors.values()]), notes
 
 
+def held_slope(profile: dict[str, Any], batch_cap: int) -> list[str]:
+    """What a prediction past the widest batch size its profile sent long prompts at says (not an extrapolation of
+    the profile's ranges: the batch and the context were each measured, the two together not)."""
+    top = (profile.get("protocol") or {}).get("long_waves_to")
+    if top is None or batch_cap <= top or profile.get("batch_cap", 0) <= top:
+        return []
+    return [f"above {top} sequences a step's cost per context token is the one fitted at {top} (the profile sent its "
+            f"long prompts up to {top} sequences)"]
+
+
 def history_notes(calibrated: dict[str, Any]) -> list[str]:
     """What a profile's calibration history (calibration.widen's summary) says of its bands, if anything."""
     if not calibrated["outside_band"]:
@@ -281,6 +291,7 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
     point = simulated_capacity(*calls[0])
     reps = [simulated_capacity(*c) for c in calls[1:]]
     factor, notes = extrapolation(profile, cap, pool)
+    notes += held_slope(profile, cap)
     notes.append(f"scheduler limits: {budget} tokens a step, "
                  + (f"KV {kv} tokens" if kv is not None else "no KV admission limit") + f" ({limit['source']})")
     longest_prompt = max((len(q.prompt_ids) for q in pool), default=0)

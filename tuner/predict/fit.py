@@ -4,8 +4,10 @@ Decode samples are (running sequences k, their context tokens summed, seconds pe
 step = t_k + c * context_tokens: one base time per batch size measured (the `decode_by_batch_s` table; engines are
 not linear in k: llama-server -t 1's step at 2 sequences took 3.7x its step at 1 on the shared 2-core host) and one
 context slope -- or one slope per batch size (`decode_ctx_by_batch_s`) where the samples reject a shared one (an
-F-test at `PER_BATCH_P`, and the residuals' squares cut to under `PER_BATCH_GAIN`; each batch size measured over
-contexts at least `PER_BATCH_SPAN` apart): transformers'
+F-test at `PER_BATCH_P`, and the residuals' squares cut to under `PER_BATCH_GAIN`), fitted for each batch size
+measured over contexts at least `PER_BATCH_SPAN` apart (`spanned`: a protocol that sends its long prompts only up to
+some batch size, `Protocol.long_waves_to`, leaves the wider ones with short contexts alone, and each of those takes
+the slope of the widest spanned batch size below it, as `StepModel.ctx_slope` holds its table's last slope): transformers'
 continuous batching on CPU took 65 ms a step for 8 sequences of ~40 context tokens and 225 ms for 8 of ~340, while
 4 sequences went from 68 to 75 ms; one slope through both put the 4-sequence step at 29 ms, below every sample of it.
 llama-server's and vLLM's samples keep one slope (per-batch slopes cut their RMSE by 0-10%).
@@ -30,7 +32,8 @@ from typing import Any
 
 from tuner.predict.simulate import StepModel
 
-FIT_VERSION = 2  # the fitting rules' version: a profile fitted by older rules is fitted again from its samples
+FIT_VERSION = 3  # the fitting rules' version: a profile fitted by older rules is fitted again from its samples
+# (3: per-batch context slopes where some batch sizes were measured over one context length only)
 
 
 def nnls_fit(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
@@ -54,25 +57,42 @@ PER_BATCH_SPAN = 2.0  # ... and every batch size's contexts span at least this r
 PER_BATCH_GAIN = 0.8  # ... and they leave under this share of the shared slope's squared residuals (material)
 
 
+def spanned(samples: Sequence[dict[str, Any]]) -> list[int]:
+    """The batch sizes measured over contexts at least PER_BATCH_SPAN apart: those whose own slope is identified."""
+    ctx: dict[int, list[float]] = {}
+    for s in samples:
+        ctx.setdefault(int(s["seqs"]), []).append(s["context_tokens"])
+    return sorted(k for k, c in ctx.items() if min(c) > 0 and max(c) >= PER_BATCH_SPAN * min(c))
+
+
+def slope_owner(k: int, owners: Sequence[int]) -> int:
+    """The batch size whose context slope batch size `k` takes: itself if spanned, else the widest spanned one below
+    it (the slope held, as StepModel.ctx_slope holds past its table), else the narrowest."""
+    below = [o for o in owners if o <= k]
+    return below[-1] if below else owners[0]
+
+
 def decode_rows(samples: Sequence[dict[str, Any]], per_batch: bool = False) -> tuple[list[list[float]], list[float]]:
     """One indicator column per batch size measured, then the context tokens (`per_batch`: one context column per
-    batch size)."""
+    spanned batch size, `slope_owner`)."""
     ks = batch_sizes(samples)
     if per_batch:
-        return ([[float(int(s["seqs"]) == k) for k in ks] + [float(int(s["seqs"]) == k) * s["context_tokens"]
-                                                               for k in ks] for s in samples],
-                [s["step_s"] for s in samples])
+        owners = spanned(samples)
+        return ([[float(int(s["seqs"]) == k) for k in ks]
+                 + [float(slope_owner(int(s["seqs"]), owners) == o) * s["context_tokens"] for o in owners]
+                 for s in samples], [s["step_s"] for s in samples])
     return ([[float(int(s["seqs"]) == k) for k in ks] + [float(s["context_tokens"])] for s in samples],
             [s["step_s"] for s in samples])
 
 
-def decode_model(coef: Sequence[float], ks: Sequence[int], per_batch: bool = False
+def decode_model(coef: Sequence[float], ks: Sequence[int], owners: Sequence[int] = ()
                  ) -> tuple[tuple[tuple[int, float], ...], float, tuple[tuple[int, float], ...]]:
-    """(the per-batch table, the shared context slope, the per-batch slopes) from decode coefficients; a batch size
-    fitted to 0 s (all its samples below the context's share) keeps a floor of 1 us, a step never being free."""
+    """(the per-batch table, the shared context slope, the per-batch slopes) from decode coefficients (`owners`: the
+    spanned batch sizes of a per-batch fit, none for one shared slope); a batch size fitted to 0 s (all its samples
+    below the context's share) keeps a floor of 1 us, a step never being free."""
     table = tuple((k, max(t, 1e-6)) for k, t in zip(ks, coef))
-    if per_batch:
-        return table, 0.0, tuple(zip(ks, coef[len(ks):]))
+    if owners:
+        return table, 0.0, tuple(zip(owners, coef[len(ks):]))
     return table, coef[-1], ()
 
 
@@ -81,15 +101,14 @@ def rss(rows: Sequence[Sequence[float]], y: Sequence[float], coef: Sequence[floa
 
 
 def slopes_per_batch(samples: Sequence[dict[str, Any]]) -> tuple[bool, float | None]:
-    """Whether the decode samples reject one shared context slope (F-test of the per-batch slopes against it at
-    PER_BATCH_P), and its p-value; (False, None) where it cannot be tested: one batch size, a batch size measured
-    over too narrow a context range, or too few samples."""
+    """Whether the decode samples reject one shared context slope (F-test of the per-batch slopes, one per spanned
+    batch size, against it at PER_BATCH_P), and its p-value; (False, None) where it cannot be tested: fewer than two
+    spanned batch sizes, or too few samples."""
     from scipy.stats import f as f_dist
 
-    ks = batch_sizes(samples)
-    ctx = {k: [s["context_tokens"] for s in samples if int(s["seqs"]) == k] for k in ks}
-    n, p0, p1 = len(samples), len(ks) + 1, 2 * len(ks)
-    if len(ks) < 2 or n <= p1 or any(min(c) <= 0 or max(c) < PER_BATCH_SPAN * min(c) for c in ctx.values()):
+    ks, owners = batch_sizes(samples), spanned(samples)
+    n, p0, p1 = len(samples), len(ks) + 1, len(ks) + len(owners)
+    if len(owners) < 2 or n <= p1:
         return False, None
     x0, y = decode_rows(samples)
     x1, _ = decode_rows(samples, per_batch=True)
@@ -178,7 +197,7 @@ def refit(decode: Sequence[dict[str, Any]], prefill: Sequence[dict[str, Any]], y
     per batch size."""
     xd, _ = decode_rows(decode, per_batch)
     xp, _ = prefill_rows(prefill)
-    table, c, slopes = decode_model(nnls_fit(xd, yd), batch_sizes(decode), per_batch)
+    table, c, slopes = decode_model(nnls_fit(xd, yd), batch_sizes(decode), spanned(decode) if per_batch else ())
     d, e, f = nnls_fit(xp, yp)
     model = StepModel(decode_base_s=0.0, decode_per_context_token_s=c, prefill_base_s=d, prefill_per_token_s=e,
                       prefill_per_token_sq_s=f, noise_sigma=sigma, decode_by_batch_s=table,

