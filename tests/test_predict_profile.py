@@ -267,7 +267,11 @@ def test_a_profile_fitted_by_older_rules_is_fitted_again_from_its_samples_withou
 
     monkeypatch.setattr(prof, "profiles_dir", lambda: tmp_path)
     config = TrialConfig(model="smollm2-135m", engine="llamacpp", quant="Q8_0", batch_cap=8)
-    key = prof.profile_key(config)
+    # this host's key without the llama-server build (a unit test: `make test-fast` runs before `make llamacpp`)
+    key = {"engine": "llamacpp", "build": {"commit": "test", "server_sha256": "0" * 16},
+           "model": {"name": "smollm2-135m", "gguf_sha256": "1" * 16},
+           "format": {"quant": "Q8_0", "kv_type": "auto", "threads": None, "ubatch": None}, "host": prof.host_facts()}
+    monkeypatch.setattr(prof, "profile_key", lambda c: key)
     truth = StepModel(**{**TRUTH.to_dict(), "decode_by_batch_s": ((1, 0.040), (2, 0.070), (4, 0.066), (8, 0.038)),
                          "decode_ctx_by_batch_s": ((1, 8e-6), (2, 1.4e-5), (4, 6e-6), (8, 7e-5))})
     s = profile_samples(truth, batch_cap=8)
