@@ -267,8 +267,8 @@ def vllm_step_tokens(engine: Any, batch_cap: int) -> int | None:
     return engine.scheduler_facts().get("max_num_batched_tokens")
 
 
-PROFILE_KV_TOKENS_PER_SEQ = 256  # a profile's sequence holds at most 2 blocks of 128 but at its long waves
-PROFILE_LONG_KV_TOKENS = 512  # ... there (and each mixed wave's probe) up to 4
+PROFILE_KV_TOKENS_PER_SEQ = 256  # a profile's sequence holds at most 2 blocks of 128, but in its long waves
+PROFILE_LONG_KV_TOKENS = 512  # ... a sequence (and each mixed wave's probe, beside the decodes) up to 4
 
 
 def vllm_served(config: TrialConfig, batch_cap: int) -> TrialConfig:
@@ -295,9 +295,9 @@ def vllm_served(config: TrialConfig, batch_cap: int) -> TrialConfig:
     if not (layers and heads and head_dim):
         return served  # not a shape this reads: the asked KV space
     per_token = 2 * layers * heads * head_dim * (4 if compute_dtype(config.quant) == "float32" else 2)
-    long = min(batch_cap, VLLM_PROTOCOL.long_waves_to or batch_cap) + VLLM_PROTOCOL.mixed_probes
-    tokens = max(batch_cap * PROFILE_KV_TOKENS_PER_SEQ, long * PROFILE_LONG_KV_TOKENS) + VLLM_PROTOCOL.mixed_probes \
-        * PROFILE_LONG_KV_TOKENS
+    long = min(batch_cap, VLLM_PROTOCOL.long_waves_to or batch_cap)
+    tokens = (max(batch_cap * PROFILE_KV_TOKENS_PER_SEQ, long * PROFILE_LONG_KV_TOKENS)
+              + VLLM_PROTOCOL.mixed_probes * PROFILE_LONG_KV_TOKENS)
     need_gib = max(1, math.ceil(tokens * per_token / GIB))
     available = psutil.virtual_memory().available
     if kv_cache_gib(config.kv_fraction, available) <= need_gib:
