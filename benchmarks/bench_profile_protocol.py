@@ -62,7 +62,9 @@ def without_long_waves(profile: dict[str, Any], up_to: int) -> tuple[dict[str, A
     short = min(profile["protocol"]["decode_prompts"])
     kept = [d for d in s["decode"] if d["prompt_tokens"] == short or d["seqs"] <= up_to]
     held = [d for d in s["decode"] if not (d["prompt_tokens"] == short or d["seqs"] <= up_to)]
-    out = profile["protocol"].get("decode_tokens", 32)  # version 10 on: short waves ask fewer (16 + their entry)
+    from tuner.predict.profile import DECODE_TOKENS
+
+    out = profile["protocol"].get("decode_tokens", DECODE_TOKENS)  # version 10 on: short waves ask fewer (16 + entry)
     gaps = [g for g in s["gaps"] if g[0] <= up_to or g[1] < g[0] * (short + out + 1)]
     return {**s, "decode": kept, "gaps": gaps}, held
 
