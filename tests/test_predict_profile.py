@@ -146,21 +146,36 @@ def test_a_copy_the_engine_refuses_stops_the_copies_and_the_profile_says_so() ->
         list(prof.DECODE_PROMPTS), random.Random(0), protocol=prof.LLAMACPP_PROTOCOL)["decode"])
 
 
-def test_vllm_sends_every_wave_fresh() -> None:
-    engine = SimulatedEngine(TRUTH, 4)
-    sent: list[tuple[int, ...]] = []  # two waves per length at 1 sequence, one from 2 on
-    prof.collect_samples(lambda reqs, k: sent.extend(r.prompt_ids for r in reqs if k is not None
-                                                     and len(r.prompt_ids) in prof.DECODE_PROMPTS)
-                         or engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
-                         list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0),
-                         protocol=prof.VLLM_PROTOCOL)
-    assert len(sent) == 2 * 2 * 1 + 2 * (2 + 4) and len(set(sent)) == len(sent)
+def test_vllm_waves_send_the_first_prompts_of_one_family_per_length() -> None:
+    # VLLM_PROTOCOL (version 13) at cap 16, 528 tokens a step, a prefix cache of 128-token blocks: a wave of k sends
+    # the first k prompts of its length's family, so the prompts of earlier waves come again (vLLM's prefix cache
+    # serves their two whole blocks: 64 of 320 tokens to prefill), never twice in one wave. The long waves at 1 (its
+    # second), 2, 4, 8 and 16 sequences then prefill 64, 384, 768, 1536 and 3072 tokens: 1, 1, 2, 3 and 6 steps at
+    # 528 (fresh: 1, 2, 3, 5 and 10), each asking 16 more; the short prompts (32 tokens, no whole block) in full.
+    engine = SimulatedEngine(TRUTH, 16, token_budget=528)
+    waves: list[tuple[int, list[tuple[int, ...]], int]] = []
+
+    def serve(reqs: list[Any], k: int | None) -> list[Any]:
+        if k is not None and len(reqs[0].prompt_ids) in prof.DECODE_PROMPTS:
+            waves.append((k, [tuple(r.prompt_ids) for r in reqs], reqs[0].max_tokens))
+        return engine.run(reqs, concurrency=k).results
+
+    s = prof.collect_samples(serve, list(range(20_000)), 16, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
+                             random.Random(0), protocol=prof.VLLM_PROTOCOL, token_budget=528, prefix_block=lambda: 128)
+    short, long = prof.DECODE_PROMPTS
+    for p, tokens in ((short, [17] * 6), (long, [17, 17, 17, 18, 19, 22])):
+        mine = [(k, prompts, n) for k, prompts, n in waves if len(prompts[0]) == p]
+        assert [(k, n) for k, _, n in mine] == list(zip((1, 1, 2, 4, 8, 16), tokens))
+        family = mine[-1][1]  # the widest wave's: every prompt of this length, none twice
+        assert len(set(family)) == 16 and len({f[:128] for f in family}) == 16
+        assert all(prompts == family[:k] for k, prompts, _ in mine)
+    assert s["reused_tokens"] == (1 + 1 + 2 + 4 + 8) * 256  # the long prompts sent again: two whole blocks each
 
 
 @pytest.mark.parametrize("engine_name, prefix_block, long_tokens", [
-    # vLLM (fresh prompts: its CPU attention reads a shared prefix's blocks faster, 0.81-0.89x the step of fresh
-    # ones, benchmarks/bench_shared_prefix.py): 16 + the steps k prompts of 320 tokens take at 528 a step: 1, 2, 3, 5,
-    # 10
+    # vLLM (no shared prefix: its CPU attention reads a shared prefix's blocks faster, 0.81-0.89x the step of fresh
+    # ones, benchmarks/bench_shared_prefix.py; here without a prefix cache, so the prompts its waves send again are
+    # prefilled in full too): 16 + the steps k prompts of 320 tokens take at 528 a step: 1, 2, 3, 5, 10
     ("vllm", None, (17, 18, 19, 21, 26)),
     # transformers (version 11): the long prompts share a prefix whose whole 256-token block its prefix cache serves
     # once computed, so k of them prefill 320 + (k - 1) x 64 tokens: 1, 1, 1, 2, 3 steps. The simulated engine has no

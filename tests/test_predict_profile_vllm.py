@@ -2,8 +2,8 @@
 
 * Real (server tier): smollm2-135m bf16 profiled at --max-num-seqs 2 with a quick protocol (one vLLM start); what the
   profile read from the running server (its KV cache from /metrics, its step budget from the engine's config line)
-  against the server's own start log, kept for the test; no prompt served from the prefix cache (the profile's
-  prompts are fresh); then `tuner predict --engine vllm` from that cached profile: a capacity inside its band,
+  against the server's own start log, kept for the test; its prefix cache served the blocks of the decode prompt sent
+  again, nothing more (the prefill samples are fresh); then `tuner predict --engine vllm` from that cached profile: a capacity inside its band,
   simulated under those limits.
 * Unit: a KV capacity that admits fewer sequences than the batch cap predicts a lower capacity than the same profile
   without it (the simulator now gets the engine's KV limit); the vLLM profile key (vLLM and torch versions of the
@@ -38,7 +38,7 @@ MODEL = "smollm2-135m"
 CONFIG = TrialConfig(model=MODEL, engine="vllm", quant="bf16", batch_cap=2, kv_fraction=0.02)
 FLAGS = ["--model", MODEL, "--engine", "vllm", "--quant", "bf16", "--batch-cap", "2", "--kv-fraction", "0.02"]
 WORKLOAD = ["--requests", "24", "--input-len", "64:128", "--output-len", "16:32", "--seed", "0"]
-QUICK = prof.Protocol(prefill_repeats=2, decode_waves=1)
+QUICK = prof.Protocol(prefill_repeats=2, decode_waves=1, reuse_prompts=True)  # one wave per length and batch size
 TRUTH = StepModel(decode_base_s=0.010, decode_per_seq_s=0.002, decode_per_context_token_s=2e-6,
                   prefill_base_s=0.003, prefill_per_token_s=1e-4, noise_sigma=0.1)
 
@@ -163,7 +163,11 @@ def test_a_real_vllm_profile_reads_the_servers_limits_and_predicts(tmp_path: Pat
     assert "--max-num-batched-tokens" not in argv and argv[argv.index("--max-num-seqs") + 1] == "2"
     assert "'compile_ranges_endpoints': [2048]" in text and "enable_chunked_prefill=True" in text
     assert facts["max_num_batched_tokens"] == 2048 and facts["chunked_prefill"] is True and facts["max_num_seqs"] == 2
-    assert facts["prefix_cache_hit_tokens"] == 0  # every profile prompt was fresh (prefix caching on: vLLM's default)
+    # prefix caching on (vLLM's default): the long prompt of the 1-sequence wave, sent again in the 2-sequence one,
+    # found its two whole 128-token blocks in it, and nothing else did (the short prompts hold no whole block; the
+    # prefill samples and probes are fresh): a decode prompt's prefill is shorter, a measured prefill is not
+    assert facts["prefix_caching"] is True and facts["kv"]["block_tokens"] == 128
+    assert facts["prefix_cache_hit_tokens"] == 256 and not any("prefix cache" in n for n in profile["notes"])
     assert any(n.startswith("served at KV fraction") and "(asked 0.18)" in n for n in profile["notes"])
     limits = prof.scheduler_limits(profile, CONFIG)
     assert limits["token_budget"] == 2048 and limits["kv_tokens"] == logged

