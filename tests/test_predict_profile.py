@@ -382,3 +382,11 @@ def test_a_profile_from_another_host_is_measured_again_with_a_note(tmp_path: Pat
     assert measured == [4, 8] and any("covers up to 4 sequences" in n for n in wider["notes"])
     refreshed = prof.load_or_measure(config, 2, refresh=True)  # never narrower than the profile it replaces
     assert measured == [4, 8, 8] and "measured again as asked" in refreshed["notes"]
+
+
+@pytest.mark.parametrize("field, value", [("short_prompt", 0), ("short_prompt", 320), ("long_waves_to", 0),
+                                          ("mixed_gap_steps", -1)])
+def test_a_protocol_out_of_range_is_refused_in_one_line(field: str, value: int) -> None:
+    with pytest.raises(TunerError) as e:
+        prof.Protocol(**{field: value})
+    assert f"{field}={value}" in str(e.value) and "\n" not in str(e.value)

@@ -38,7 +38,8 @@ MODEL = "smollm2-135m"
 CONFIG = TrialConfig(model=MODEL, engine="vllm", quant="bf16", batch_cap=2, kv_fraction=0.02)
 FLAGS = ["--model", MODEL, "--engine", "vllm", "--quant", "bf16", "--batch-cap", "2", "--kv-fraction", "0.02"]
 WORKLOAD = ["--requests", "24", "--input-len", "64:128", "--output-len", "16:32", "--seed", "0"]
-QUICK = prof.Protocol(prefill_repeats=2, decode_waves=1, reuse_prompts=True)  # one wave per length and batch size
+# one wave per length and batch size, VLLM_PROTOCOL's prompts (a family per length; short ones of 8 tokens)
+QUICK = prof.Protocol(prefill_repeats=2, decode_waves=1, reuse_prompts=True, short_prompt=8)
 TRUTH = StepModel(decode_base_s=0.010, decode_per_seq_s=0.002, decode_per_context_token_s=2e-6,
                   prefill_base_s=0.003, prefill_per_token_s=1e-4, noise_sigma=0.1)
 
@@ -152,6 +153,8 @@ def test_a_real_vllm_profile_reads_the_servers_limits_and_predicts(tmp_path: Pat
     profile = prof.load_or_measure(CONFIG.replace(kv_fraction=0.18), 2, protocol=QUICK)
     assert profile["cached"] is False and profile["key"]["engine"] == "vllm"
     assert {s["seqs"] for s in profile["samples"]["decode"]} == {1, 2}
+    assert {s["prompt_tokens"] for s in profile["samples"]["decode"]} == {8, 320} == set(
+        profile["protocol"]["decode_prompts"])
     facts, text = profile["engine"], log.read_text(errors="replace")
     # the KV cache: /metrics' blocks x block size, as the server's start log says it
     logged = int(re.search(r"KV cache size: ([\d,]+) tokens", text).group(1).replace(",", ""))

@@ -14,7 +14,8 @@ interface with the real load generator:
   in at the engine's tokens per step, `Protocol.wave_tokens`; version 11, transformers' prompts of one length share a
   prefix served by its prefix cache, `Side.prefix_block`; version 12, vLLM's long prompts up to 16 sequences only,
   `Protocol.long_waves_to`; version 13, vLLM's waves send the first k of one family of prompts per length, those
-  sent before served by its prefix cache, `Protocol.reuse_prompts`). Only the streamed gaps that fall
+  sent before served by its prefix cache, `Protocol.reuse_prompts`, its short prompts 8 tokens,
+  `Protocol.short_prompt`). Only the streamed gaps that fall
   while all k requests decode (after the wave's last first token, before its first finish) are kept: each is one
   step of k sequences; their medians per quarter of the output give (k, context tokens summed, step seconds) samples.
 * **prefill**: single requests of several prompt lengths (one token out; `Protocol.prefill_repeats` each: 2) on
@@ -79,8 +80,9 @@ VERSION = 13  # 2: a decode step per batch size; 3: mixed steps (a prompt joinin
 # prefix cache (block sharing), each wave's tokens out counted from the tokens it prefills; 12: vLLM sends its long
 # decode prompts up to 16 sequences only (`Protocol.long_waves_to`), the wider batch sizes taking the slope at 16;
 # 13: vLLM's decode prompts of one length are one family, a wave of k sending its first k (`Protocol.reuse_prompts`):
-# a prompt an earlier wave sent finds its whole blocks in the server's prefix cache; every engine's mixed decodes
-# ask their tokens from when they are expected to decode (they asked as many more as steps it took them to get in)
+# a prompt an earlier wave sent finds its whole blocks in the server's prefix cache, and its short prompts are 8
+# tokens (`Protocol.short_prompt`); every engine's mixed decodes ask their tokens from when they are expected to
+# decode (they asked as many more as steps it took them to get in)
 PREFILL_TOKENS = (16, 64, 192, 384)
 PREFILL_REPEATS = 3
 DECODE_PROMPTS = (32, 320)  # + DECODE_TOKENS covers the default workload (64:256 in, 32:64 out)
@@ -115,14 +117,18 @@ class Protocol:
     reuse_prompts: bool = False  # the decode prompts of one length are one family, a wave of k sending its first k:
     # each its own context, those an earlier wave sent served from the engine's prefix cache (whole blocks) where it
     # has one (`DecodePrompts`, VLLM_PROTOCOL)
+    short_prompt: int = DECODE_PROMPTS[0]  # the short decode prompts' tokens (the mixed waves' decodes too)
 
     def __post_init__(self) -> None:
-        counts = ("prefill_repeats", "decode_waves", "mixed_probes") + tuple(
+        counts = ("prefill_repeats", "decode_waves", "mixed_probes", "short_prompt") + tuple(
             name for name in ("one_wave_from", "decode_steps", "long_waves_to") if getattr(self, name) is not None)
         for name in counts:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise TunerError(f"profile protocol {name}={value!r} is invalid: expected an integer >= 1")
+        if self.short_prompt >= DECODE_PROMPTS[1]:
+            raise TunerError(f"profile protocol short_prompt={self.short_prompt!r} is invalid: expected fewer tokens "
+                             f"than the long decode prompts' {DECODE_PROMPTS[1]}")
         if not (isinstance(self.mixed_gap_steps, int) and self.mixed_gap_steps >= 0):
             raise TunerError(f"profile protocol mixed_gap_steps={self.mixed_gap_steps!r} is invalid: expected an "
                              "integer >= 0")
@@ -415,9 +421,11 @@ TRANSFORMERS_PROTOCOL = Protocol(prefill_repeats=2, shared_prefix=True, one_wave
 # sequence keeps its own blocks, so no step reads a block another sequence of the wave reads (a shared prefix does:
 # 0.81-0.89x as fast, "Profile version 11"). Checked on the real server (benchmarks/bench_shared_prefix.py --engine
 # vllm --mode reused --batch-cap 16 --k 16,8, bf16, 6 rounds): the kept steps of a reused wave 1.006x those of a fresh
-# one (median of 12 pairs, 95% interval [0.980, 1.069]), its entry 0.23x (README, "Profile version 13").
+# one (median of 12 pairs, 95% interval [0.980, 1.069]), its entry 0.23x (README, "Profile version 13"). The short
+# prompts (no whole block to reuse) are 8 tokens instead of 32: the 32-128-sequence waves and the mixed waves' decodes
+# (at --max-num-seqs 128, 383 prompts) prefill a quarter of the tokens, the context span is wider.
 VLLM_PROTOCOL = Protocol(prefill_repeats=2, one_wave_from=2, decode_steps=16, mixed_probes=4, mixed_gap_steps=4,
-                         long_waves_to=16, reuse_prompts=True)
+                         long_waves_to=16, reuse_prompts=True, short_prompt=8)
 
 
 def llamacpp_copies(engine: Any, scratch: Path) -> Callable[[tuple[int, ...], int], None]:
@@ -594,8 +602,10 @@ def mixed_seqs(batch_cap: int) -> list[int]:
 def mixed_wave(pool: list[int], k: int, lengths: list[int], decoding_s: float, step_s: float,
                ttft_s: Callable[[int], float], room: int, rng: random.Random,
                decodes: Callable[[int, int, int], list[Request]] | None = None,
-               gap_steps: int = MIXED_GAP_STEPS, entered_s: float = 0.0) -> list[Request]:
-    """k decodes (`decodes(k, prompt tokens, max tokens)`: the decode waves' kind of prompts; fresh by default) sent
+               gap_steps: int = MIXED_GAP_STEPS, entered_s: float = 0.0, decode_prompt: int = DECODE_PROMPTS[0]
+               ) -> list[Request]:
+    """k decodes of `decode_prompt` tokens (`decodes(k, prompt tokens, max tokens)`: the decode waves' kind of prompts;
+    fresh by default) sent
     at once, then one fresh prompt of each length (1 token out) sent while they run: the first
     `MIXED_LEAD_STEPS` decode steps after `decoding_s` (when the k decode, as measured), the next
     `gap_steps` steps after the previous prompt's expected TTFT; the decodes ask for the tokens that outlast
@@ -605,9 +615,9 @@ def mixed_wave(pool: list[int], k: int, lengths: list[int], decoding_s: float, s
     for p in lengths:
         arrivals.append(t)
         t += ttft_s(p) + gap_steps * step_s
-    out_tokens = min(room - DECODE_PROMPTS[0], math.ceil((t - entered_s) / step_s) + MIXED_LEAD_STEPS)
+    out_tokens = min(room - decode_prompt, math.ceil((t - entered_s) / step_s) + MIXED_LEAD_STEPS)
     make = decodes or (lambda n, p, m: fresh_prompts(pool, n, p, m, rng))
-    reqs = [Request(r.index, "", r.prompt_ids, r.max_tokens, 0.0) for r in make(k, DECODE_PROMPTS[0], out_tokens)]
+    reqs = [Request(r.index, "", r.prompt_ids, r.max_tokens, 0.0) for r in make(k, decode_prompt, out_tokens)]
     for i, (p, at) in enumerate(zip(lengths, arrivals)):
         (probe,) = fresh_prompts(pool, 1, p, 1, rng)
         reqs.append(Request(k + i, "", probe.prompt_ids, 1, at))
@@ -741,7 +751,8 @@ def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool:
             lengths = prefill_lengths[i:i + protocol.mixed_probes]
             reqs = mixed_wave(pool, k, lengths, decoding_s[near] * 1.25, step_s,
                               lambda p: median_ttft.get(p, max(median_ttft.values())), room, rng, decodes,
-                              protocol.mixed_gap_steps, entered_s=decoding_s[near] * 0.75)
+                              protocol.mixed_gap_steps, entered_s=decoding_s[near] * 0.75,
+                              decode_prompt=min(decode_prompts))
             out += mixed_steps(serve(reqs, None), k)
     return out
 
@@ -814,7 +825,7 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
     per_seq = part.tokens_per_seq(engine, batch_cap)
     room = per_seq if per_seq is not None else max(PREFILL_TOKENS) + DECODE_TOKENS + max(DECODE_PROMPTS)
     prefill_lengths = [p for p in PREFILL_TOKENS if p + 1 <= room]
-    decode_prompts = [p for p in DECODE_PROMPTS if p + DECODE_TOKENS <= room]
+    decode_prompts = [p for p in (protocol.short_prompt, DECODE_PROMPTS[1]) if p + DECODE_TOKENS <= room]
     if len(prefill_lengths) < 2 or not decode_prompts:
         raise TunerError(f"{per_seq} tokens per sequence at {part.cap_name} {batch_cap}: too few to profile (prompts "
                          f"up to {max(PREFILL_TOKENS)} tokens); expected a larger --kv-fraction")
