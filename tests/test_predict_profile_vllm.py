@@ -150,7 +150,8 @@ def test_a_real_vllm_profile_reads_the_servers_limits_and_predicts(tmp_path: Pat
         config, ignore_eos, log))  # the same engine, its log kept for this test to read
     # asked 18% of the memory (3-4 GiB of KV here), the profile launches the 1 GiB its waves need (vllm_served: a
     # bigger KV space takes longer to start, and admission scales it)
-    profile = prof.load_or_measure(CONFIG.replace(kv_fraction=0.18), 2, protocol=QUICK)
+    # and asked prefix caching off, the profile launches it on (vllm_served: its waves send their prompts again)
+    profile = prof.load_or_measure(CONFIG.replace(kv_fraction=0.18, prefix_cache="off"), 2, protocol=QUICK)
     assert profile["cached"] is False and profile["key"]["engine"] == "vllm"
     assert {s["seqs"] for s in profile["samples"]["decode"]} == {1, 2}
     assert {s["prompt_tokens"] for s in profile["samples"]["decode"]} == {8, 320} == set(
@@ -170,7 +171,9 @@ def test_a_real_vllm_profile_reads_the_servers_limits_and_predicts(tmp_path: Pat
     # found its two whole 128-token blocks in it, and nothing else did (the short prompts hold no whole block; the
     # prefill samples and probes are fresh): a decode prompt's prefill is shorter, a measured prefill is not
     assert facts["prefix_caching"] is True and facts["kv"]["block_tokens"] == 128
-    assert facts["prefix_cache_hit_tokens"] == 256 and not any("prefix cache" in n for n in profile["notes"])
+    assert "--no-enable-prefix-caching" not in facts["settings"]["argv"]
+    assert any(n.startswith("served with prefix caching on (asked off)") for n in profile["notes"])
+    assert facts["prefix_cache_hit_tokens"] == 256 and not any("prefix cache served" in n for n in profile["notes"])
     assert any(n.startswith("served at KV fraction") and "(asked 0.18)" in n for n in profile["notes"])
     limits = prof.scheduler_limits(profile, CONFIG)
     assert limits["token_budget"] == 2048 and limits["kv_tokens"] == logged

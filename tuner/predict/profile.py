@@ -605,12 +605,11 @@ def mixed_wave(pool: list[int], k: int, lengths: list[int], decoding_s: float, s
                gap_steps: int = MIXED_GAP_STEPS, entered_s: float = 0.0, decode_prompt: int = DECODE_PROMPTS[0]
                ) -> list[Request]:
     """k decodes of `decode_prompt` tokens (`decodes(k, prompt tokens, max tokens)`: the decode waves' kind of prompts;
-    fresh by default) sent
-    at once, then one fresh prompt of each length (1 token out) sent while they run: the first
-    `MIXED_LEAD_STEPS` decode steps after `decoding_s` (when the k decode, as measured), the next
-    `gap_steps` steps after the previous prompt's expected TTFT; the decodes ask for the tokens that outlast
-    the last prompt from `entered_s`, the earliest they may all decode (a decode has no token out before it gets in;
-    within `room`, the context one sequence may hold)."""
+    fresh by default) sent at once, then one fresh prompt of each length (1 token out) sent while they run: the first
+    `MIXED_LEAD_STEPS` decode steps after `decoding_s` (when the k decode, as measured), the next `gap_steps` steps
+    after the previous prompt's expected TTFT; the decodes ask for the tokens that outlast the last prompt counted
+    from `entered_s`, the earliest they may all decode (a decode has no token out before it gets in; within `room`,
+    the context one sequence may hold)."""
     arrivals, t = [], decoding_s + MIXED_LEAD_STEPS * step_s
     for p in lengths:
         arrivals.append(t)
@@ -749,6 +748,7 @@ def collect_mixed(serve: Callable[[list[Request], int | None], list[Any]], pool:
         step_s = statistics.median(short or [g[2] for g in gaps if g[0] == near])
         for i in range(0, len(prefill_lengths), protocol.mixed_probes):
             lengths = prefill_lengths[i:i + protocol.mixed_probes]
+            # the probes start after 1.25x the decodes' measured entry; the decodes count their tokens from 0.75x it
             reqs = mixed_wave(pool, k, lengths, decoding_s[near] * 1.25, step_s,
                               lambda p: median_ttft.get(p, max(median_ttft.values())), room, rng, decodes,
                               protocol.mixed_gap_steps, entered_s=decoding_s[near] * 0.75,
@@ -858,6 +858,9 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
     if served.kv_fraction != config.kv_fraction:
         notes.append(f"served at KV fraction {served.kv_fraction:.3g} (asked {config.kv_fraction:g}): the least KV space "
                      "its waves need, which starts faster; a configuration's KV admission is scaled from it")
+    if config.prefix_cache == "off" and served.prefix_cache != "off":
+        notes.append("served with prefix caching on (asked off): its decode waves send their prompts again, never two "
+                     "sequences of one step sharing a block, so a step costs what it costs without it")
     if (facts.get("prefix_cache_hit_tokens") or 0) > samples["reused_tokens"]:  # beyond the prompts sent again: the
         # fresh prompts shared a prefix, and a hit would shorten measured prefills
         notes.append(f"the engine's prefix cache served {facts['prefix_cache_hit_tokens']} prompt tokens, "
