@@ -151,7 +151,8 @@ def test_vllm_waves_send_the_first_prompts_of_one_family_per_length() -> None:
     # the first k prompts of its length's family, so the prompts of earlier waves come again (vLLM's prefix cache
     # serves their two whole blocks: 64 of 320 tokens to prefill), never twice in one wave. The long waves at 1 (its
     # second), 2, 4, 8 and 16 sequences then prefill 64, 384, 768, 1536 and 3072 tokens: 1, 1, 2, 3 and 6 steps at
-    # 528 (fresh: 1, 2, 3, 5 and 10), each asking 16 more; the short prompts (32 tokens, no whole block) in full.
+    # 528 (fresh: 1, 2, 3, 5 and 10), each asking 16 more; the short prompts (the 32 tokens given here; a real vLLM
+    # profile sends 8, VLLM_PROTOCOL.short_prompt: no whole block either) in full.
     engine = SimulatedEngine(TRUTH, 16, token_budget=528)
     waves: list[tuple[int, list[tuple[int, ...]], int]] = []
 

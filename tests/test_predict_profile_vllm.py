@@ -3,8 +3,8 @@
 * Real (server tier): smollm2-135m bf16 profiled at --max-num-seqs 2 with a quick protocol (one vLLM start); what the
   profile read from the running server (its KV cache from /metrics, its step budget from the engine's config line)
   against the server's own start log, kept for the test; its prefix cache served the blocks of the decode prompt sent
-  again, nothing more (the prefill samples are fresh); then `tuner predict --engine vllm` from that cached profile: a capacity inside its band,
-  simulated under those limits.
+  again, nothing more (the prefill samples are fresh); then `tuner predict --engine vllm` from that cached profile: a
+  capacity inside its band, simulated under those limits.
 * Unit: a KV capacity that admits fewer sequences than the batch cap predicts a lower capacity than the same profile
   without it (the simulator now gets the engine's KV limit); the vLLM profile key (vLLM and torch versions of the
   venv, the checkpoint's hash, the speed knobs); a cached vLLM profile of another vLLM version or another checkpoint
