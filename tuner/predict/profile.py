@@ -523,14 +523,20 @@ class DecodePrompts:
             return 0
         return (prompt_tokens - SHARED_TAIL) // block * block
 
+    @staticmethod
+    def reusable(prompt_tokens: int, block: int | None) -> int:
+        """Tokens of a prompt sent again that a prefix cache of `block` tokens a block serves: all its whole blocks but
+        one holding its last token (at least that token is computed: vLLM's rule); 0 without a prefix cache."""
+        return (prompt_tokens - 1) // block * block if block else 0
+
     def entry_tokens(self, n: int, prompt_tokens: int, block: int | None) -> int:
         """The prompt tokens the next wave of `n` prompts of this length prefills, with an engine's prefix cache of
         `block` tokens a block (None: none): shared, the prefix's whole blocks once; reused, each prompt sent before
         all but its last block (at least its last token is computed: vLLM's rule), each new one in full."""
         if self.shared_prefix:
             return prompt_tokens + (n - 1) * (prompt_tokens - self.cached(prompt_tokens, block))
-        again = min(n, self.sent.get(prompt_tokens, 0)) if self.reuse and block else 0
-        return n * prompt_tokens - again * ((prompt_tokens - 1) // block * block if again else 0)
+        again = min(n, self.sent.get(prompt_tokens, 0)) if self.reuse else 0
+        return n * prompt_tokens - again * self.reusable(prompt_tokens, block)
 
     def __call__(self, n: int, prompt_tokens: int, max_tokens: int) -> list[Request]:
         if self.reuse:
@@ -555,7 +561,7 @@ class DecodePrompts:
 
     def cache_served(self, block: int | None) -> int:
         """Reuse: the prompt tokens a prefix cache of `block` tokens a block can have served the prompts sent again."""
-        return sum(n * ((p - 1) // block * block) for p, n in self.again.items()) if block else 0
+        return sum(n * self.reusable(p, block) for p, n in self.again.items())
 
 
 def wave_gaps(results: list[Any], prompt_tokens: int) -> list[tuple[int, int, float]]:
