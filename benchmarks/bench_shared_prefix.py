@@ -105,7 +105,7 @@ def main() -> int:
                     t0 = time.perf_counter()
                     res = serve(reqs, k)
                     wall = time.perf_counter() - t0
-                    gaps = wave_gaps(res, plen)
+                    gaps = wave_gaps(res)
                     if not gaps:
                         print(f"round {rnd} k={k} {mode}: no step kept ({[r.error for r in res if not r.ok][:1]})")
                         break

@@ -12,7 +12,7 @@ import pytest
 
 from tuner.errors import TunerError
 from tuner.predict import profile as prof
-from tuner.predict.fit import bootstrap_models, fit_step_model
+from tuner.predict.fit import bootstrap_models, fit_step_model, spanned
 from tuner.predict.simulate import SimulatedEngine, StepModel
 
 TRUTH = StepModel(decode_base_s=0.010, decode_per_seq_s=0.002, decode_per_context_token_s=2e-6,
@@ -336,10 +336,12 @@ def test_wave_gaps_keep_only_steps_where_the_whole_wave_decodes() -> None:
     engine = SimulatedEngine(TRUTH, batch_cap=2, token_budget=64)
     reqs = [Request(0, "", tuple(range(16)), 20, None), Request(1, "", tuple(range(200)), 40, None)]
     results = engine.run(reqs, concurrency=2).results
-    kept = prof.wave_gaps(results, 16)
+    kept = prof.wave_gaps(results)
     both_from = max(r.send_s + r.ttft_ms / 1e3 for r in results)
     first_end = min(r.send_s + r.e2e_ms / 1e3 for r in results)
     assert kept and all(k == 2 for k, _, _ in kept)
+    # each kept step's context: both prompts and as many tokens out as the request whose gap it is, twice
+    assert {ctx for _, ctx, _ in kept} <= {16 + 200 + 2 * j for j in range(1, 40)}
     steps = round((first_end - both_from) / TRUTH.decode_s(2, 0), 0)
     assert 0 < len(kept) <= 2 * steps
 
@@ -391,3 +393,23 @@ def test_a_protocol_out_of_range_is_refused_in_one_line(field: str, value: int) 
     with pytest.raises(TunerError) as e:
         prof.Protocol(**{field: value})
     assert f"{field}={value}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_short_prompts_alone_do_not_give_a_batch_size_its_own_context_slope() -> None:
+    # VLLM_PROTOCOL at cap 32 with its 8-token short prompts: the 32-sequence waves are short only (9 to ~25 tokens a
+    # sequence: 2.8x apart, yet a few tokens' step cost under the noise). With slopes per batch size fitted, 32 takes
+    # the slope measured at 16 (fit.PER_BATCH_SPAN_TOKENS): before, it got its own from the short waves (a real fp32
+    # profile's came out 0, 2026-12-07), so a 32-sequence step over long contexts was predicted at its short one's
+    truth = StepModel(**{**TRUTH.to_dict(), "noise_sigma": 0.03, "prefill_base_s": 0.030,
+                         "decode_by_batch_s": ((1, 0.040), (2, 0.050), (4, 0.045), (8, 0.050), (16, 0.067),
+                                               (32, 0.110)),
+                         "decode_ctx_by_batch_s": ((1, 2e-6), (2, 1.4e-5), (4, 6e-6), (8, 1.5e-5), (16, 2.5e-5))})
+    engine = SimulatedEngine(truth, 32, token_budget=2048, seed=5)
+    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 32,
+                             list(prof.PREFILL_TOKENS), [8, 320], random.Random(5), protocol=prof.VLLM_PROTOCOL,
+                             token_budget=2048, prefix_block=lambda: 128)
+    assert {d["seqs"] for d in s["decode"] if d["prompt_tokens"] == 320} == {1, 2, 4, 8, 16}
+    assert spanned(s["decode"]) == [1, 2, 4, 8, 16]
+    model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"], s["mixed"])
+    assert fit["context_slope"]["per_batch"] and [k for k, _ in model.decode_ctx_by_batch_s] == [1, 2, 4, 8, 16]
+    assert model.decode_s(32, 32 * 330) == pytest.approx(truth.decode_s(32, 32 * 330), rel=0.1)

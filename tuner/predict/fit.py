@@ -5,9 +5,10 @@ step = t_k + c * context_tokens: one base time per batch size measured (the `dec
 not linear in k: llama-server -t 1's step at 2 sequences took 3.7x its step at 1 on the shared 2-core host) and one
 context slope -- or one slope per batch size (`decode_ctx_by_batch_s`) where the samples reject a shared one (an
 F-test at `PER_BATCH_P`, and the residuals' squares cut to under `PER_BATCH_GAIN`), fitted for each batch size
-measured over contexts at least `PER_BATCH_SPAN` apart (`spanned`: a protocol that sends its long prompts only up to
-some batch size, `Protocol.long_waves_to`, leaves the wider ones with short contexts alone, and each of those takes
-the slope of the widest spanned batch size below it, as `StepModel.ctx_slope` holds its table's last slope): transformers'
+measured over contexts at least `PER_BATCH_SPAN` and `PER_BATCH_SPAN_TOKENS` a sequence apart (`spanned`: a protocol
+that sends its long prompts only up to some batch size, `Protocol.long_waves_to`, leaves the wider ones with short
+contexts alone, and each of those takes the slope of the widest spanned batch size below it, as `StepModel.ctx_slope`
+holds its table's last slope): transformers'
 continuous batching on CPU took 65 ms a step for 8 sequences of ~40 context tokens and 225 ms for 8 of ~340, while
 4 sequences went from 68 to 75 ms; one slope through both put the 4-sequence step at 29 ms, below every sample of it.
 llama-server's and vLLM's samples keep one slope (per-batch slopes cut their RMSE by 0-10%).
@@ -32,8 +33,9 @@ from typing import Any
 
 from tuner.predict.simulate import StepModel
 
-FIT_VERSION = 3  # the fitting rules' version: a profile fitted by older rules is fitted again from its samples
-# (3: per-batch context slopes where some batch sizes were measured over one context length only)
+FIT_VERSION = 4  # the fitting rules' version: a profile fitted by older rules is fitted again from its samples
+# (3: per-batch context slopes where some batch sizes were measured over one context length only; 4: a batch size's
+# own slope only where its contexts span PER_BATCH_SPAN_TOKENS a sequence too)
 
 
 def nnls_fit(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
@@ -54,15 +56,20 @@ def batch_sizes(samples: Sequence[dict[str, Any]]) -> list[int]:
 
 PER_BATCH_P = 0.001  # per-batch context slopes when an F-test rejects one shared slope at this level
 PER_BATCH_SPAN = 2.0  # ... and every batch size's contexts span at least this ratio (its slope is identified)
+PER_BATCH_SPAN_TOKENS = 64  # ... and this many tokens a sequence: short prompts alone (vLLM's 8 tokens + 17 out: 9 to
+# 25 a sequence, 2.8x) span the ratio, but their few tokens' step cost is under the step noise (a 32-sequence slope
+# fitted at 0 from them, 2026-12-07)
 PER_BATCH_GAIN = 0.8  # ... and they leave under this share of the shared slope's squared residuals (material)
 
 
 def spanned(samples: Sequence[dict[str, Any]]) -> list[int]:
-    """The batch sizes measured over contexts at least PER_BATCH_SPAN apart: those whose own slope is identified."""
+    """The batch sizes measured over contexts at least PER_BATCH_SPAN apart and PER_BATCH_SPAN_TOKENS a sequence
+    apart: those whose own slope is identified."""
     ctx: dict[int, list[float]] = {}
     for s in samples:
         ctx.setdefault(int(s["seqs"]), []).append(s["context_tokens"])
-    return sorted(k for k, c in ctx.items() if min(c) > 0 and max(c) >= PER_BATCH_SPAN * min(c))
+    return sorted(k for k, c in ctx.items() if min(c) > 0 and max(c) >= PER_BATCH_SPAN * min(c)
+                  and max(c) - min(c) >= PER_BATCH_SPAN_TOKENS * k)
 
 
 def slope_owner(k: int, owners: Sequence[int]) -> int:

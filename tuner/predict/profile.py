@@ -564,13 +564,14 @@ class DecodePrompts:
         return sum(n * self.reusable(p, block) for p, n in self.again.items())
 
 
-def wave_gaps(results: list[Any], prompt_tokens: int) -> list[tuple[int, int, float]]:
+def wave_gaps(results: list[Any]) -> list[tuple[int, int, float]]:
     """(sequences, context tokens summed, seconds) of each streamed gap that fell while every request of the wave
-    was decoding: after the wave's last first token, before its first finish."""
+    was decoding: after the wave's last first token, before its first finish. The context: every request's prompt
+    and as many tokens out as the one whose gap it is (the wave's requests decode in the same steps)."""
     ok = [r for r in results if r.ok and r.ttft_ms is not None and r.e2e_ms is not None]
     if len(ok) != len(results) or not ok:
         return []
-    k = len(ok)
+    k, prompts = len(ok), sum(r.prompt_tokens for r in ok)
     all_decoding = max(r.send_s + r.ttft_ms / 1e3 for r in ok)
     first_end = min(r.send_s + r.e2e_ms / 1e3 for r in ok)
     out = []
@@ -579,7 +580,7 @@ def wave_gaps(results: list[Any], prompt_tokens: int) -> list[tuple[int, int, fl
         for j, g_ms in enumerate(r.itl_ms, start=1):  # this gap's step extends a context of prompt + j tokens
             start, t = t, t + g_ms / 1e3
             if start >= all_decoding - 1e-6 and t <= first_end + 1e-6:
-                out.append((k, k * (prompt_tokens + j), g_ms / 1e3))
+                out.append((k, prompts + k * j, g_ms / 1e3))
     return out
 
 
@@ -709,7 +710,7 @@ def collect_samples(serve: Callable[[list[Request], int | None], list[Any]], poo
                 tokens = protocol.wave_tokens(k, p, token_budget, waves.entry_tokens(k, p, block))
                 asked[k, p] = tokens if room is None else min(tokens, room - p)
                 results = serve(waves(k, p, asked[k, p]), k)
-                wave = wave_gaps(results, p)
+                wave = wave_gaps(results)
                 gaps += wave
                 decode += [dict(s, prompt_tokens=p) for s in decode_samples(wave)]
                 if p == decode_prompts[0] and wave:
