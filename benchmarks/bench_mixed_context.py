@@ -15,9 +15,9 @@ of 16, the line 57.8 ms at 8). The first: bf16, `--batch-cap 16 --long 0,1,4,8,1
 52.8 ms, the all-long wave 59.9 ms). fp32, `--quant fp32 --long 0,8,16 --rounds 3` (11:04-11:07): 73.9, 95.5, 112.7 ms
 (the half wave's three rounds 81.8, 95.5, 99.3 ms; the line 93.2 ms, the all-long wave 112.7 ms). Tried from this
 as a profile protocol (vLLM's long wave at 16 sequences sending 8 long prompts and 8 short, so 8 long prompts fewer
-to prefill): its measurement 0.84-0.91x version 13's in fp32, but the context slope it fitted 7.2-8.8 us a token
-against version 13's 4.9-6.2 in the same hour, the half wave's lever half the long wave's under a step noise that
-already moves one wave's slope 2.6-9.0 us: not adopted (README, "Profile cost: vLLM's start-up at one model path").
+to prefill): its fp32 measurement 41.7-45.7 s against version 13's 49.7-58.4, but its fp32 context slopes 4.2-10.4 us
+a token (three of four above 7) against version 13's 4.5-6.2 in the same hour, the half wave's lever half the long
+wave's under a step noise that already moves one wave's slope 2.6-9.0 us: not adopted (README, "Profile cost: vLLM's start-up at one model path").
 
 Usage: HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_mixed_context.py [--quant bf16] [--batch-cap 16]
            [--long 0,4,8,12,16] [--rounds 3] [--kv-fraction 0.045]
