@@ -35,6 +35,11 @@ list of them; default: this host's cache, $TUNER_CACHE/profiles). Two shorter pr
   ask 16 more than the steps their prompts take to get in): median -0.1% to +1.1% off per profile (worst 9-27%), the
   full fit 0.0% to +1.0% (worst 8-19%); and (`--drop second-wave --wide 2 --prefill-repeats 2`, same profiles) the
   third prefill repeat left out predicted median -1.6% to +2.8% off, by the full fit -1.4% to +2.2%.
+  From version 10 on a wave asks its entry's steps + `decode_steps`, and `tokens` is then the steps past the entry.
+  vLLM's 16 kept (2026-12-07 14:10, fifteen version-13 profiles at --max-num-seqs 32, bf16 and fp32, `--tokens 12
+  --from-k 1`): waves of 12 predicted the decode samples +0.1% to +4.8% off (median per profile), the full fit -0.1%
+  to +4.2%, but moved the extrapolated 32-sequence step over 330-token contexts -4.9% to +6.9% (16 x 330: -1.4% to
+  +11.2%) for 3 s of an 82-88 s fp32 profile: not taken.
 
 Usage: .venv/bin/python benchmarks/bench_profile_protocol.py [--profiles DIR|FILE.json.gz]
            [--drop long-waves --up-to 4,2 | --drop second-wave --wide 8 --prefill-repeats 2 [--write DIR]
@@ -144,7 +149,9 @@ def with_shorter_waves(profile: dict[str, Any], tokens: int, from_k: int) -> tup
     requests in a row); and all the profile's decode samples, held out (the full fit's own, in sample)."""
     from tuner.predict.profile import decode_samples
 
-    s, cut = profile["samples"], profile["protocol"]["decode_tokens"] - tokens
+    proto = profile["protocol"]
+    # version 10 on, a wave asks its entry's steps + decode_steps: `tokens` is then the steps asked past the entry
+    s, cut = profile["samples"], (proto["decode_steps"] if proto.get("decode_steps") else proto["decode_tokens"]) - tokens
     lengths = sorted(profile["protocol"]["decode_prompts"])
     gaps, decode = [], []
     wave: list[Any] = []
@@ -188,11 +195,6 @@ def main() -> int:
     for name, p in read_profiles(Path(args.profiles) if args.profiles else profiles_dir()):
         s = p.get("samples", {})
         if not s.get("decode"):
-            continue
-        if args.drop == "tail" and p["protocol"].get("decode_steps") is not None:  # version 10's waves ask tokens
-            # by their size: not cut here
-            print(f"{p['key']['engine']} {p['key']['format'].get('quant')} ({name}): its waves asked "
-                  "different tokens out (profile version 10 on): skipped")
             continue
         fmt = p["key"]["format"]
         title = f"{p['key']['engine']} {fmt.get('quant')} kv {fmt.get('kv_type', '-')} cap {p['batch_cap']}"

@@ -203,6 +203,8 @@ TEST_TIERS = {
     "test_predict_profile_transformers.py::test_a_profile_of_another_build_or_host_is_measured_again_with_a_note":
         set(),
     "test_predict_profile_vllm.py::test_a_real_vllm_profile_reads_the_servers_limits_and_predicts": {"server"},
+    "test_predict_profile_vllm.py::test_a_profile_that_fails_before_the_start_stops_the_vllm_server_it_launched": {
+        "server"},
     # the key holds the served checkpoint's sha256: on a cache without the checkpoint, converting it from the GGUF
     # loads the model (a fresh machine's `make test-fast` failed them in the unit guard)
     "test_predict_profile_vllm.py::test_the_key_names_the_vllm_build_the_checkpoint_and_the_speed_knobs": {"model"},

@@ -111,6 +111,43 @@ def test_a_server_that_dies_mid_run_fails_its_requests_with_the_reason():
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_open_with_launch_runs_the_server_while_the_tokenizer_loads_and_a_failure_there_stops_it(monkeypatch):
+    """`Backend.open(..., launch=True)` (what a vLLM profile uses): the server is already running when open returns
+    (its start-up overlapped the tokenizer's load), `start()` waits for it and serves; and when the tokenizer's load
+    fails after the launch (failure injection), open raises and the launched server is gone."""
+    import tuner.quantize
+    from tuner.engines.registry import backend
+    from tuner.measure.loadgen import run_load
+    from tuner.measure.workload import Request
+
+    config = TrialConfig(model=MODEL, engine="llamacpp", quant="Q8_0", batch_cap=2, kv_fraction=0.002)
+    engine, model, tok = backend("llamacpp").open(config, True, launch=True)
+    try:
+        assert model is None and engine.server is not None and engine.server.alive()
+        assert engine.client is None  # launched, not yet started
+        engine.start()
+        ids = tok("The capital of France is")["input_ids"]
+        (r,) = run_load(engine, [Request(0, "", tuple(ids), 5, None)], concurrency=1, timeout_s=60,
+                        progress=False).results
+        assert r.ok and r.output_tokens == 5, r
+    finally:
+        engine.stop(drain=False)
+    assert not engine.server.alive()
+
+    before, launched = {p.pid for p in servers()}, []
+
+    def failing_tokenizer(path):
+        launched.extend(p.pid for p in servers() if p.pid not in before)
+        raise OSError(f"tokenizer at {path} unreadable (injected)")
+
+    monkeypatch.setattr(tuner.quantize, "load_tokenizer", failing_tokenizer)
+    with pytest.raises(OSError, match="injected"):
+        backend("llamacpp").open(config, True, launch=True)
+    assert launched, "no llama-server was running while the tokenizer loaded"
+    alive = [pid for pid in launched if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, alive
+
+
 def test_a_server_that_fails_at_start_is_a_failed_run_with_its_own_last_line(tmp_path):
     """Failure injection: a llama-server that prints an error and exits (the real llama-quantize stays)."""
     from tuner.engines.llamacpp import bin_dir

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,38 @@ def test_a_profile_of_another_vllm_version_or_checkpoint_is_measured_again_with_
 
 
 # ------------------------------------------------------------------------------------------------- real --- #
+def test_a_profile_that_fails_before_the_start_stops_the_vllm_server_it_launched(monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """A vLLM profile launches its server before the tokenizer loads (the two overlap); a failure after the launch
+    and before the start (failure injection: the workload's token pool) is raised as it was, and nothing of the
+    launched server (API server, engine core, worker) is left running."""
+    import psutil
+
+    import tuner.measure.workload
+    from tuner.engines import vllm
+
+    ok, why = vllm.availability()
+    if not ok:
+        pytest.fail(why)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    seen: list[int] = []
+
+    def failing_pool(tokenizer: Any) -> list[int]:
+        for _ in range(300):  # until the API server has started its engine core (~6 s), at most 30 s
+            seen[:] = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+            if len(seen) >= 2:
+                break
+            time.sleep(0.1)
+        raise RuntimeError("token pool unreadable (injected)")
+
+    monkeypatch.setattr(tuner.measure.workload, "token_pool", failing_pool)
+    with pytest.raises(RuntimeError, match="injected"):
+        prof.measure_profile(CONFIG, 2, protocol=QUICK)
+    assert len(seen) >= 2, f"the launched server's processes before the start: {seen}"
+    left = [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not left, left
+
+
 def test_a_real_vllm_profile_reads_the_servers_limits_and_predicts(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import psutil
@@ -146,8 +179,8 @@ def test_a_real_vllm_profile_reads_the_servers_limits_and_predicts(tmp_path: Pat
     monkeypatch.setattr(prof, "profiles_dir", lambda: tmp_path / "profiles")  # this test's own profile only
     log = tmp_path / "server.log"
     real_open = vllm.open_engine
-    monkeypatch.setattr(vllm, "open_engine", lambda config, ignore_eos, log_path=None: real_open(
-        config, ignore_eos, log))  # the same engine, its log kept for this test to read
+    monkeypatch.setattr(vllm, "open_engine", lambda config, ignore_eos, log_path=None, launch=False: real_open(
+        config, ignore_eos, log, launch))  # the same engine, its log kept for this test to read
     # asked 18% of the memory (3-4 GiB of KV here), the profile launches the 1 GiB its waves need (vllm_served: a
     # bigger KV space takes longer to start, and admission scales it)
     # and asked prefix caching off, the profile launches it on (vllm_served: its waves send their prompts again)

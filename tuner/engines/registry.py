@@ -7,8 +7,9 @@ Lazy, as lm-eval's model registry and Optuna's storages: this module imports the
 names its engine and quality modules as strings and imports them when asked.
 
 The engine module of a backend provides `open_engine(config, ignore_eos, log_path) -> (engine, model, tokenizer)`
-(ready to start; `model` is the in-process model, None for a server), `without_draft(config, model, tokenizer,
-ignore_eos) -> Engine` (the same engine without the draft: a draft's reference), `serves_on_host_cpu(config, device)`,
+(ready to start; `model` is the in-process model, None for a server; a server tuner launches also takes `launch`,
+`Backend.open`), `without_draft(config, model, tokenizer, ignore_eos) -> Engine` (the same engine without the draft:
+a draft's reference), `serves_on_host_cpu(config, device)`,
 `format_reason(quant, device)` (why it cannot serve a format on a device, None when it can) and `availability() ->
 (ok, detail)`. Its quality module provides `check_inputs(config, names)`, the two steps of
 tuner.quality.template's scoring template, `plan_scoring(config, names, limit, seed, kld_tokens, progress) -> Plan`
@@ -61,9 +62,13 @@ class Backend:
         module, attr = self.formats.split(":")
         return getattr(importlib.import_module(module), attr)
 
-    def open(self, config: Any, ignore_eos: bool, log_path: Any = None) -> tuple[Any, Any, Any]:
+    def open(self, config: Any, ignore_eos: bool, log_path: Any = None, launch: bool = False) -> tuple[Any, Any, Any]:
         """(engine, model, tokenizer) for `config`, ready to start: an in-process engine loads its model here (and a
-        draft's assistant), a server engine prepares its files and argv (model None)."""
+        draft's assistant), a server engine prepares its files and argv (model None). `launch`: a server tuner
+        launches is launched before its tokenizer loads, its start-up overlapping the rest (`start()` waits for it;
+        the caller stops the engine whatever happens before); other engines ignore it."""
+        if launch and self.server and self.launched:
+            return self.engine().open_engine(config, ignore_eos, log_path, launch=True)
         return self.engine().open_engine(config, ignore_eos, log_path)
 
     def available(self) -> tuple[bool, str]:

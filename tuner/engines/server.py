@@ -68,6 +68,7 @@ class ServerProcess:
         self._log_file: Any = None
         self._owned_log = False  # a temporary log made here is removed at stop (its last lines are read before)
         self._log_start = 0  # where this server's output begins in a shared (appended) log
+        self._t0 = 0.0  # when it was launched (perf_counter)
 
     @property
     def url(self) -> str:
@@ -82,6 +83,11 @@ class ServerProcess:
 
     def start(self) -> float:
         """Launch and wait until healthy; returns the start-up seconds. Raises ServerFailed (one line)."""
+        self.launch()
+        return self.wait()
+
+    def launch(self) -> None:
+        """Start the process and return at once (`wait` waits for its health)."""
         if not Path(self.argv[0]).is_file():
             raise TunerError(f"server binary {self.argv[0]!r} does not exist: expected a built binary (make llamacpp)")
         if port_in_use(self.port):
@@ -94,10 +100,17 @@ class ServerProcess:
             self.log_path, self._owned_log = Path(name), True
         self._log_file = open(self.log_path, "ab")
         self._log_start = self._log_file.seek(0, os.SEEK_END)
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
                                      stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})},
                                      preexec_fn=_die_with_parent)
+
+    def wait(self) -> float:
+        """Wait until the launched process answers its health path; the seconds since its launch. Raises
+        ServerFailed (one line) when it exits first or is not healthy within `startup_timeout_s` of its launch."""
+        if self.proc is None:
+            raise ServerFailed(f"{Path(self.argv[0]).name} was not launched: expected launch() before wait()")
+        t0 = self._t0
         deadline = t0 + self.startup_timeout_s
         while True:
             code = self.proc.poll()

@@ -28,6 +28,7 @@ class ServerEngine(Engine):
         self.env: dict[str, str] = {}  # environment the server needs (recorded)
         self.exported_argv: list[str] = []  # what `tuner export` writes for the config
         self.prepare_s: float | None = None
+        self.launched = False  # launch() ran and start() has not yet waited for it
 
     def prepare(self) -> None:
         raise NotImplementedError
@@ -35,7 +36,9 @@ class ServerEngine(Engine):
     def make_client(self, base_url: str) -> StreamingClient:
         raise NotImplementedError
 
-    def start(self) -> None:
+    def launch(self) -> None:
+        """Launch the server and return at once: `start()` then waits for it, so its start-up overlaps whatever the
+        caller does in between (the caller stops the engine whatever happens there)."""
         if not self.argv:
             self.prepare()
         port = free_port()
@@ -43,7 +46,18 @@ class ServerEngine(Engine):
                                     health_path=self.health_path, log_path=self.log_path, env=self.env,
                                     startup_timeout_s=self.startup_timeout_s)
         try:
-            self.server.start()
+            self.server.launch()
+        except ServerFailed:
+            self.server.stop()
+            raise
+        self.launched = True
+
+    def start(self) -> None:
+        if not self.launched:
+            self.launch()
+        self.launched = False
+        try:
+            self.server.wait()
         except ServerFailed:
             self.server.stop()
             raise
@@ -101,11 +115,19 @@ class DeathAware:
         self.sink.on_finish(error, draft_proposed, draft_accepted)
 
 
-def open_server(engine: Any) -> tuple[Any, None, Any]:
+def open_server(engine: Any, launch: bool = False) -> tuple[Any, None, Any]:
     """A server engine's `open_engine`: its files and argv prepared (not launched), with the tokenizer of the model
-    it serves (the workload's). (engine, None, tokenizer): no model in this process."""
+    it serves (the workload's). (engine, None, tokenizer): no model in this process. `launch`: the server is
+    launched before the tokenizer loads (2.7-4 s with transformers' import), so the two overlap; `start()` then
+    waits for it, and the caller stops the engine whatever happens before that."""
     from tuner.models import checkpoint_dir
     from tuner.quantize import load_tokenizer
 
     engine.prepare()
-    return engine, None, load_tokenizer(checkpoint_dir(engine.config.model))
+    if launch:
+        engine.launch()
+    try:
+        return engine, None, load_tokenizer(checkpoint_dir(engine.config.model))
+    except BaseException:
+        engine.stop(drain=False)
+        raise

@@ -286,10 +286,11 @@ def scheduler_facts_of(log: str, metrics: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ the registry's engine API (registry.py) --- #
-def open_engine(config: TrialConfig, ignore_eos: bool, log_path: Path | None = None) -> tuple[Any, None, Any]:
+def open_engine(config: TrialConfig, ignore_eos: bool, log_path: Path | None = None,
+                launch: bool = False) -> tuple[Any, None, Any]:
     from tuner.engines.server_engine import open_server
 
-    return open_server(VllmEngine(config, ignore_eos=ignore_eos, log_path=log_path))
+    return open_server(VllmEngine(config, ignore_eos=ignore_eos, log_path=log_path), launch)
 
 
 def without_draft(config: TrialConfig, model: Any, tokenizer: Any, ignore_eos: bool) -> VllmEngine:

@@ -57,6 +57,7 @@ import os
 import random
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -817,15 +818,29 @@ def measure_in_child(config: TrialConfig, batch_cap: int, protocol: Protocol,
 def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None], protocol: Protocol
                  ) -> dict[str, Any]:
     """measure_profile in this process."""
-    from tuner.measure.loadgen import run_load
-    from tuner.measure.workload import token_pool
-
     part = side(config)
     key = profile_key(config)
     t_start = time.perf_counter()
     served = part.served(config, batch_cap)
-    engine, _model, tokenizer = backend(config.engine).open(served, ignore_eos=True)
+    # a server that needs nothing set before its start (vLLM: llama.cpp's gets its slot-save directory) is launched
+    # before the tokenizer loads: 3.2-4.0 s of tuner's own start overlap the server's (vLLM's 34-49 s, 2026-12-07)
+    early = not (part.copies and protocol.shared_prefix)
+    engine, _model, tokenizer = backend(config.engine).open(served, ignore_eos=True, launch=early)
     del _model  # the engine owns it
+    try:
+        return measure_opened(config, batch_cap, log, protocol, part, key, served, engine, tokenizer, t_start)
+    except BaseException:
+        engine.stop(drain=False)  # idempotent: a launched server stopped whatever failed before its start
+        raise
+
+
+def measure_opened(config: TrialConfig, batch_cap: int, log: Callable[[str], None], protocol: Protocol, part: Side,
+                   key: dict[str, Any], served: TrialConfig, engine: Any, tokenizer: Any, t_start: float
+                   ) -> dict[str, Any]:
+    """measure_here once the engine is open (its server perhaps launched): start it, measure, stop it, fit."""
+    from tuner.measure.loadgen import run_load
+    from tuner.measure.workload import token_pool
+
     pool = token_pool(tokenizer)
     rng = random.Random(f"profile-{profile_id(key)}")
     notes: list[str] = []
@@ -858,10 +873,29 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
                                   lambda index: part.prompt_ms(engine, index), protocol, per_seq, copy,
                                   part.step_tokens(engine, batch_cap), lambda: part.prefix_block(engine))
         facts = part.facts(engine)
-    finally:
+    except BaseException:
         engine.stop(drain=False)
         scratch.cleanup()
-    notes += samples["notes"]
+        raise
+    # the server stops (vLLM's 1.5-2.3 s) while the samples are fitted (0.6 s)
+    stopping = threading.Thread(target=engine.stop, kwargs={"drain": False}, name="tuner-profile-stop")
+    stopping.start()
+    try:
+        profile = profile_of(config, batch_cap, protocol, key, served, samples, facts, notes, prefill_lengths,
+                             decode_prompts)
+    finally:
+        stopping.join()
+        scratch.cleanup()
+    profile["cost_s"] = {"total": time.perf_counter() - t_start, "startup": startup_s, **samples["cost_s"]}
+    return profile
+
+
+def profile_of(config: TrialConfig, batch_cap: int, protocol: Protocol, key: dict[str, Any], served: TrialConfig,
+               samples: dict[str, Any], facts: dict[str, Any], notes: list[str], prefill_lengths: list[int],
+               decode_prompts: list[int]) -> dict[str, Any]:
+    """The profile record of what measure_opened collected (`notes`: its own so far): its notes, the fit (its
+    `cost_s` the caller's)."""
+    notes = notes + samples["notes"]
     if served.kv_fraction != config.kv_fraction:
         notes.append(f"served at KV fraction {served.kv_fraction:.3g} (asked {config.kv_fraction:g}): the least KV space "
                      "its waves need, which starts faster; a configuration's KV admission is scaled from it")
@@ -896,7 +930,7 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
         "fit": fit,
         "samples": {"decode": decode, "prefill": prefill, "mixed": mixed,
                     "gaps": [[k, ctx, round(g, 6)] for k, ctx, g in gaps]},
-        "cost_s": {"total": time.perf_counter() - t_start, "startup": startup_s, **samples["cost_s"]},
+        "cost_s": {},
         "engine": facts,
         "notes": notes,
     }
