@@ -830,7 +830,7 @@ def measure_here(config: TrialConfig, batch_cap: int, log: Callable[[str], None]
     try:
         return measure_opened(config, batch_cap, log, protocol, part, key, served, engine, tokenizer, t_start)
     except BaseException:
-        engine.stop(drain=False)  # idempotent: a launched server stopped whatever failed before its start
+        engine.stop(drain=False)  # idempotent: the engine (a launched server too) stopped whatever failed
         raise
 
 
@@ -858,33 +858,28 @@ def measure_opened(config: TrialConfig, batch_cap: int, log: Callable[[str], Non
         return run_load(engine, reqs, concurrency=k, timeout_s=300.0, progress=False).results
 
     scratch = tempfile.TemporaryDirectory(prefix="tuner-profile-")  # the engine's copies of prompts, removed after
-    copy = part.copies(engine, Path(scratch.name)) if part.copies and protocol.shared_prefix else None
-    try:
-        engine.start()
-    except Exception as e:  # noqa: BLE001 - a start that fails, however the engine says it, is one line
-        engine.stop(drain=False)
-        scratch.cleanup()
-        why = (str(e).splitlines() or [type(e).__name__])[0]
-        raise TunerError(f"profile: the {config.engine} engine did not start for {config.quant} at {part.cap_name} "
-                         f"{batch_cap}: {why}") from None
-    try:
+    try:  # the engine is stopped by measure_here whatever fails here
+        copy = part.copies(engine, Path(scratch.name)) if part.copies and protocol.shared_prefix else None
+        try:
+            engine.start()
+        except Exception as e:  # noqa: BLE001 - a start that fails, however the engine says it, is one line
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            raise TunerError(f"profile: the {config.engine} engine did not start for {config.quant} at "
+                             f"{part.cap_name} {batch_cap}: {why}") from None
         startup_s = time.perf_counter() - t_start
         samples = collect_samples(serve, pool, batch_cap, prefill_lengths, decode_prompts, rng, log,
                                   lambda index: part.prompt_ms(engine, index), protocol, per_seq, copy,
                                   part.step_tokens(engine, batch_cap), lambda: part.prefix_block(engine))
         facts = part.facts(engine)
-    except BaseException:
-        engine.stop(drain=False)
-        scratch.cleanup()
-        raise
-    # the server stops (vLLM's 1.5-2.3 s) while the samples are fitted (0.6 s)
-    stopping = threading.Thread(target=engine.stop, kwargs={"drain": False}, name="tuner-profile-stop")
-    stopping.start()
-    try:
-        profile = profile_of(config, batch_cap, protocol, key, served, samples, facts, notes, prefill_lengths,
-                             decode_prompts)
+        # the server stops (vLLM's 1.5-2.3 s) while the samples are fitted (0.6 s)
+        stopping = threading.Thread(target=engine.stop, kwargs={"drain": False}, name="tuner-profile-stop")
+        stopping.start()
+        try:
+            profile = profile_of(config, batch_cap, protocol, key, served, samples, facts, notes, prefill_lengths,
+                                 decode_prompts)
+        finally:
+            stopping.join()
     finally:
-        stopping.join()
         scratch.cleanup()
     profile["cost_s"] = {"total": time.perf_counter() - t_start, "startup": startup_s, **samples["cost_s"]}
     return profile
