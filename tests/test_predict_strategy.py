@@ -117,6 +117,34 @@ def test_an_accurate_model_measures_only_what_can_still_win() -> None:
     assert left and all(st.calibrated_band(p, ratio, sigma)[1] < 3.0 for p in left)  # why it stopped
 
 
+def test_a_configuration_sharing_a_measured_ones_simulation_is_not_measured(monkeypatch, tmp_path) -> None:
+    """Q8_0 at caps 2 and 4 predicted by one simulation (as configurations differing only in prefix caching or a
+    KV fraction whose KV holds every request alike are), the engine serving both at 3.0: once one is measured, the
+    other is not (its chance to beat the best would be a coin flip on measurement noise), and the answer says
+    which trial it shares its prediction with. Without the shared simulation the same search measures it."""
+    space = load_space(SPACE)
+    rps = {**RAW, ("Q8_0", 2): 3.0}
+    runs = {}
+    for shared in (False, True):
+        strategy = st.PredictStrategy(lambda c, o: [])
+        strategy.predictions = fixed(space, rps)
+        for p in strategy.predictions:
+            if shared and p.config["quant"] == "Q8_0" and p.config["batch_cap"] in (2, 4):
+                p.shared = ("fixed", "Q8_0 at 2 and 4")
+        runs[shared] = (strategy, drive(space, strategy, rps))
+    assert ("Q8_0", 2) in measured_configs(runs[False][1])
+    strategy, study = runs[True]
+    got = measured_configs(study)
+    twins = [i for i, c in enumerate(got) if c in (("Q8_0", 2), ("Q8_0", 4))]
+    assert got[0] == ("Q4_1", 1) and twins == [1]  # the first chosen after the baseline, its twin never
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path))
+    strategy.space = space  # as prepare sets it
+    report = strategy.report(study)
+    assert report["n_shared_with_measured"] == 1
+    assert any(n.startswith("1 configuration(s) not measured: each shares its prediction") and "(trials 1)" in n
+               for n in report["notes"])
+
+
 def test_a_weight_type_out_of_the_quality_budget_takes_its_configurations_out() -> None:
     space = load_space(SPACE)
     strategy = st.PredictStrategy(lambda c, o: [])
@@ -194,6 +222,7 @@ class SimulatedProfiles(st.PredictStrategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.profiled: list[str] = []
+        self.caps: list[int] = []  # the batch cap each profile was taken at
 
     def cached(self, members: list[st.Prediction], cap: int) -> None:
         return None
@@ -203,6 +232,7 @@ class SimulatedProfiles(st.PredictStrategy):
 
         quant = members[0].config["quant"]
         self.profiled.append(quant)
+        self.caps.append(cap)
         per_seq = {"Q4_1": 0.002, "Q8_0": 0.001}[quant]
         return simulated_profile(StepModel(decode_base_s=0.010, decode_per_seq_s=per_seq, prefill_base_s=0.003,
                                            prefill_per_token_s=1e-4, noise_sigma=0.1), cap, f"sim-{quant}")
@@ -256,6 +286,44 @@ def test_without_a_timeout_every_format_within_the_profile_cap_is_predicted() ->
     assert strategy.profiled == ["Q4_1", "Q8_0"] and not strategy.left_out
     best = max(strategy.predictions, key=lambda p: p.rps)
     assert (best.config["quant"], best.config["batch_cap"]) == ("Q8_0", 4)  # the faster steps, the most slots
+
+
+def test_a_default_cap_above_the_listed_ones_is_extrapolated_and_kept_out_of_the_calibration(tmp_path,
+                                                                                         monkeypatch) -> None:
+    """The vllm-cpu space's shape: batch caps 1-4 listed, the engine default at 8 (added to the choices by the
+    loader). Each format is profiled at 4, the configurations at 8 are predicted as extrapolations. The engine
+    serves a quarter of the prediction at 8, the prediction within: the default, measured first, calibrates the
+    other format's cap 8 (x 0.25) but not the predictions within their profile (x 1), so the search does not chase
+    the other extrapolation; the answer reports the default's error and says where it calibrates."""
+    path = tmp_path / "space.yaml"
+    path.write_text(SPACE.read_text().replace("batch_cap: {choices: [1, 2, 4]}",
+                                              "batch_cap: {choices: [1, 2, 4], increasing: true}")
+                    .replace("batch_cap: 1,", "batch_cap: 8,"))
+    space = load_space(path)
+    assert space.baseline["batch_cap"] == 8 and space.knobs["batch_cap"].top == 4
+    strategy = SimulatedProfiles(pool)
+    strategy.prepare(context(space), time_left_s=None)
+    assert strategy.profiled == ["Q4_1", "Q8_0"] and strategy.caps == [4, 4]
+    assert {p.config["batch_cap"] for p in strategy.predictions if p.extrapolated} == {8}
+    assert all(p.rps for p in strategy.predictions) and len(strategy.predictions) == 8
+    truth = {(p.config["quant"], p.config["batch_cap"]): p.rps * (0.25 if p.config["batch_cap"] == 8 else 1.0)
+             for p in strategy.predictions}
+    study = drive(space, strategy, truth)
+    first = study.trials[0].user_attrs
+    assert first["baseline"] and first["predicted_calibrates"] is False and first["predicted_extrapolated"]
+    assert measured_configs(study)[0] == ("Q4_1", 8) and len(study.trials) < len(strategy.predictions)
+    assert [c for _, c in measured_configs(study)[1:]].count(8) == 0  # Q8_0 at 8 was predicted 2x a Q4_1 at 4
+    for t in study.trials[1:]:  # within: scaled by the measured ratio within (1), not by the default's 0.5
+        assert t.user_attrs["predicted_calibrates"] is True
+        assert t.user_attrs["predicted_calibrated_requests_per_s"] == pytest.approx(
+            t.user_attrs["predicted_requests_per_s"])
+    other8 = next(p for p in strategy.predictions if p.config == {**first["config"], "quant": "Q8_0"})
+    assert other8.rps > max(p.rps for p in strategy.predictions if p.config["batch_cap"] < 8)  # chased if uncalibrated
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path))
+    report = strategy.report(study)
+    assert [m["calibrates"] for m in report["measured"]] == [False] + [True] * (len(study.trials) - 1)
+    assert report["measured"][0]["signed_error"] == pytest.approx(3.0)  # reported: predicted 4x the measured
+    assert any(n.startswith("trial(s) 0: predicted past the sequences their profile measured") for n in report["notes"])
 
 
 @pytest.mark.parametrize("band_every", [False, True])
@@ -384,6 +452,28 @@ def test_across_engines_every_engine_is_predicted_its_default_measured_first_and
     report = strategy.report(study)
     assert report["n_not_predicted_not_measured"] == len(drafts) and report["left_out"][0]["measured"] == 0
     assert report["strategy_why"] == "--strategy predict"
+
+
+def test_kv_fractions_the_model_sees_no_effect_of_are_measured_once(monkeypatch, tmp_path) -> None:
+    """tests/data/tiny_space.yaml on simulated profiles: every KV fraction of a (weight type, batch cap) admits every
+    request, so each is predicted the same capacity. The engine serving each at its prediction, the search measures
+    no (weight type, batch cap) twice -- its twins' chance to beat the best would be a coin flip on noise -- and the
+    answer counts the twins of every measured one."""
+    space = load_space(REPO / "tests" / "data" / "tiny_space.yaml")
+    strategy = SimulatedAcrossEngines(pool)
+    strategy.prepare(context(space), time_left_s=None)
+    by_kind: dict[tuple[str, int], set[float]] = {}
+    for p in strategy.predictions:
+        by_kind.setdefault((p.config["quant"], p.config["batch_cap"]), set()).add(p.rps)
+    assert all(len(rates) == 1 for rates in by_kind.values()) and len(strategy.predictions) > len(by_kind)
+    truth = {k: next(iter(rates)) for k, rates in by_kind.items()}
+    study = drive(space, strategy, truth)
+    got = measured_configs(study)
+    assert len(got) == len(set(got)) >= 2
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path))
+    report = strategy.report(study)
+    assert report["n_shared_with_measured"] == sum(
+        (p.config["quant"], p.config["batch_cap"]) in got for p in strategy.predictions) - len(got)
 
 
 UNPROFILED = "endpoint"  # a server tuner did not launch: nothing to profile (its server knobs are out of reach)

@@ -2,7 +2,8 @@
 
 1. **Predict.** The space's configurations are enumerated (every categorical choice x `CONTINUOUS_VALUES` values of
    each continuous knob, the baseline's value included) and grouped by engine profile (the format: weight type,
-   KV type, threads, ubatch; tuner.predict.profile). A profile costs 60-90 s per format on 2 cores, so only those
+   KV type, threads, ubatch; tuner.predict.profile), each profiled at the largest batch cap of its configurations
+   the space file lists (`profile_cap`). A profile costs 60-90 s per format on 2 cores, so only those
    the search's time affords are profiled (cached ones are free): the baseline's format first, then the formats
    closest to it (fewest format knobs changed; ties in a seeded random order), at most `PROFILE_SHARE` of
    --timeout (`MAX_PROFILES` measured ones without --timeout). The rest, and configurations with a draft (not
@@ -17,13 +18,14 @@
 2. **Measure, one at a time**, through the normal Optuna loop (each choice is enqueued, so the real objective,
    child, quality gate and answer run unchanged): the engine default first, then after each measurement the
    predictions are recalibrated (x the geometric mean of measured / predicted over the configurations measured
-   with a capacity, tuner.predict.strategy.calibration) and the next is the configuration most likely to beat the
-   best feasible measured capacity (`chance_to_beat`: lognormal around the calibrated prediction, its spread the
-   prediction's own band combined with the calibration's scatter). The search stops when no unmeasured
-   configuration has a chance of at least `STOP_CHANCE` (its calibrated band's top, 2 spreads up, is below the
-   best), or the trials / timeout run out. A format the quality gate prunes takes its configurations out. With a
-   tail SLO (p99) each measurement is a verification at the calibrated prediction: one long probe there, sized
-   for the percentile, and one above it (tuner.predict.verify), instead of a blind bracket.
+   with a capacity, `calibration`; per engine, and apart past a profile's sequences: `calibrates`) and the next is
+   the configuration most likely to beat the best feasible measured capacity (`chance_to_beat`: lognormal around
+   the calibrated prediction, its spread the prediction's own band combined with the calibration's scatter). The
+   search stops when no unmeasured configuration has a chance of at least `STOP_CHANCE` (its calibrated band's
+   top, 2 spreads up, is below the best), or the trials / timeout run out. A format the quality gate prunes takes
+   its configurations out. With a tail SLO (p99) each measurement is a verification at the calibrated prediction:
+   one long probe there, sized for the percentile, and one above it (tuner.predict.verify), instead of a blind
+   bracket.
 3. The answer is the best **measured** configuration (tuner.search.answer); `report` adds what was predicted and measured,
    each measured configuration's predicted capacity beside its measured one with the signed error
    (predicted - measured) / measured, and the model's error over this search; its notes say where a measured
@@ -72,6 +74,8 @@ class Prediction:
     profile: str | None = None
     notes: list[str] = field(default_factory=list)
     extrapolated: list[str] = field(default_factory=list)  # past what its profile measured: said, band widened
+    calibrates: bool = True  # its batch cap within its profile's sequences (`calibrates`): its calibration group
+    shared: tuple[Any, ...] | None = None  # (profile, batch cap, step budget, predicted rps): `twins`
     banded: bool = False  # its band was computed (a failed one leaves `band` None): see PredictStrategy.choose
 
 
@@ -141,19 +145,26 @@ def calibrated_band(p: Prediction, ratio: float, sigma_cal: float) -> list[float
     return [p.rps * ratio * math.exp(-SPREADS * s), p.rps * ratio * math.exp(SPREADS * s)]
 
 
+def calibration_of(p: Prediction, groups: dict[tuple[Any, bool], tuple[float, float]], ratio: float,
+                   sigma_cal: float) -> tuple[float, float]:
+    """The (ratio, spread) a prediction is calibrated by: its group's (its engine, and whether it lies within its
+    profile's sequences: `calibrates`), else its engine's within, else (ratio, sigma_cal)."""
+    e = p.config.get("engine")
+    return groups.get((e, p.calibrates)) or groups.get((e, True)) or (ratio, sigma_cal)
+
+
 def ranking(predictions: Sequence[Prediction], done: set, ratio: float, sigma_cal: float, best_rps: float,
-            per_engine: dict[str, tuple[float, float]] | None = None,
+            groups: dict[tuple[Any, bool], tuple[float, float]] | None = None,
             assumed: Callable[[Prediction], Sequence[float | None] | None] | None = None
             ) -> list[tuple[float, Prediction]]:
     """The unmeasured configurations (key not in `done`) by their chance to beat `best_rps`, highest first (ties: the
-    higher calibrated prediction, then the larger KV fraction, then the earlier). `per_engine`: an engine's own
-    (ratio, spread) where it has measurements (across engines each engine's model is off in its own way);
-    (ratio, sigma_cal) for the others. `assumed`: for a configuration whose band is not computed (not `banded`), a
-    band its own lies within: it is ranked by the most its chance can be (`chance_at_most`)."""
-    cal = per_engine or {}
-
+    higher calibrated prediction, then the larger KV fraction, then the earlier). `groups`: the (ratio, spread) of
+    each calibration group with measurements (`calibration_of`: across engines each engine's model is off in its
+    own way, and past its profile's sequences an extrapolation in its own way); (ratio, sigma_cal) for the others.
+    `assumed`: for a configuration whose band is not computed (not `banded`), a band its own lies within: it is
+    ranked by the most its chance can be (`chance_at_most`)."""
     def chance(p: Prediction) -> float:
-        r, s = cal.get(p.config.get("engine"), (ratio, sigma_cal))
+        r, s = calibration_of(p, groups or {}, ratio, sigma_cal)
         if assumed is None or p.banded:
             return chance_to_beat(p, r, s, best_rps)
         return chance_at_most(p, r, s, best_rps, assumed(p))
@@ -164,11 +175,11 @@ def ranking(predictions: Sequence[Prediction], done: set, ratio: float, sigma_ca
 
 
 def next_candidate(predictions: Sequence[Prediction], done: set, ratio: float, sigma_cal: float,
-                   best_rps: float, per_engine: dict[str, tuple[float, float]] | None = None
+                   best_rps: float, groups: dict[tuple[Any, bool], tuple[float, float]] | None = None
                    ) -> tuple[Prediction | None, float]:
     """The unmeasured configuration most likely to beat `best_rps` (`ranking`, every band as it is), and its chance;
     (None, best chance) when none reaches STOP_CHANCE."""
-    ranked = ranking(predictions, done, ratio, sigma_cal, best_rps, per_engine)
+    ranked = ranking(predictions, done, ratio, sigma_cal, best_rps, groups)
     if not ranked:
         return None, 0.0
     chance, top = ranked[0]
@@ -261,6 +272,30 @@ def engine_defaults(space: Any) -> list[dict[str, Any]]:
     as tuner.search.loop.enqueue_start measures them first."""
     return [dict(space.baseline)] + [{"engine": o.engine, **{f"{o.engine}.{k}": o.baseline[k] for k in o.knobs}}
                                      for o in space.engines[1:]]
+
+
+def profile_cap(members: Sequence[Prediction], space: Any) -> int:
+    """The batch cap a format is profiled at: the largest of its configurations' up to the largest the space file
+    lists (its increasing knob's `top`; all of them where it has none). The engine default's cap, which the space
+    adds to the choices when the file does not list it (vLLM's 128 sequences on the vllm-cpu space's 2-32), is then
+    predicted past the profile -- extrapolated, its band widened, calibrated apart (`calibrates`) -- rather than
+    every search profiling each format at sequences the file did not ask for (vLLM fp32 at 128 sequences took 118-122
+    s on 2 cores, at 32 62-102 s, vLLM's own start-up 34-53 s of it)."""
+    caps = [p.config["batch_cap"] for p in members]
+    engine = members[0].config.get("engine")
+    sub = next((s for s in space.engines if s.engine == engine), space) if space.engines else space
+    knob = sub.knobs.get("batch_cap")
+    top = knob.top if knob is not None else None
+    return max([c for c in caps if top is None or c <= top] or caps)
+
+
+def calibrates(profile: dict[str, Any] | None, batch_cap: int) -> bool:
+    """Whether a prediction lies within the sequences its profile measured. Its calibration group: the predictions
+    within are scaled by the ratio measured / predicted of those measured within; one past them (an extrapolation,
+    off in its own way: how far the fit reaches, not how far off it is where measured) by that of those measured
+    past, or the within ratio while none was. Every measured pair is reported and kept in the profile's history."""
+    seqs = ((profile or {}).get("ranges") or {}).get("max_seqs")
+    return seqs is None or batch_cap <= seqs
 
 
 # ----------------------------------------------------------------------------------------- strategy --- #
@@ -359,7 +394,7 @@ class PredictStrategy:
         profiled: list[tuple[list[Prediction], dict[str, Any]]] = []
         for fmt in order:
             members = groups[fmt]
-            cap = max(p.config["batch_cap"] for p in members)
+            cap = profile_cap(members, space)
             try:
                 cached = self.cached(members, cap)
             except Exception as e:  # the format's GGUF or the engine build is missing
@@ -440,11 +475,13 @@ class PredictStrategy:
         return prof if prof is not None and prof["batch_cap"] >= cap else None
 
     def measure(self, members: list[Prediction], cap: int) -> dict[str, Any]:
-        """Profile the format at its largest batch cap, served with its largest KV fraction (room per slot)."""
+        """Profile the format at `cap` (`profile_cap`), served with the largest KV fraction of its configurations
+        up to that cap (room per slot)."""
         from tuner.config import TrialConfig
         from tuner.predict.profile import load_or_measure
 
-        widest = max(members, key=lambda p: (p.config["batch_cap"], p.config.get("kv_fraction") or 0))
+        widest = max((p for p in members if p.config["batch_cap"] <= cap),
+                     key=lambda p: (p.config["batch_cap"], p.config.get("kv_fraction") or 0))
         self.log(f"predict: profiling {describe_format(format_of(widest.config))} at batch cap {cap}")
         return load_or_measure(TrialConfig.from_dict(widest.config), cap, log=self.log)
 
@@ -537,6 +574,7 @@ class PredictStrategy:
             for p in same:
                 p.rps, p.profile = float(got.get("requests_per_s") or 0.0), profile["id"]
                 p.notes, p.extrapolated = list(got.get("notes") or []) + held_slope(profile, cap), list(extra)
+                p.calibrates, p.shared = calibrates(profile, cap), (profile["id"], cap, budget, p.rps)
             self.predictions += same
         self.by_id[profile["id"]] = profile
 
@@ -618,7 +656,7 @@ class PredictStrategy:
         return lo, hi
 
     def choose(self, candidates: Sequence[Prediction], done: set, ratio: float, sigma: float, best: float,
-               per_engine: dict[str, tuple[float, float]] | None = None) -> tuple[Prediction | None, float]:
+               groups: dict[tuple[Any, bool], tuple[float, float]] | None = None) -> tuple[Prediction | None, float]:
         """`next_candidate` with each band computed only when the choosing rule could pick its configuration: the
         configurations are ranked with the most their chance can be where the band is not computed yet
         (`assumed_band`); while the top of the ranking is such a one, the bands of those ranked above the best
@@ -627,7 +665,7 @@ class PredictStrategy:
         is wider than assumed -- the chance reads a band's own spread only, and an assumed band reaching 0 allows
         any -- one that is widens the assumption, and `report_prediction` counts it)."""
         while True:
-            ranked = ranking(candidates, done, ratio, sigma, best, per_engine, self.assumed_band)
+            ranked = ranking(candidates, done, ratio, sigma, best, groups, self.assumed_band)
             if not ranked:
                 return None, 0.0
             chance, top = ranked[0]
@@ -646,17 +684,19 @@ class PredictStrategy:
 
     # ---------------------------------------------------------------------------------- measure --- #
     def state(self, study: Any, space: Any) -> dict[str, Any]:
-        """What the trials so far say: `done` (keys measured or tried), `pairs` {engine: [(predicted, measured)]}
-        and `censored` {engine: [(predicted, upper bound)]} (a measured 0: tuner.predict.calibration), `best`
-        (feasible measured req/s) and `best_trial`, `pruned` (quality keys the gate put out) and `defaults` (engine
-        defaults enqueued or measured, as Optuna parameters' engines)."""
+        """What the trials so far say: `done` (keys measured or tried), `pairs` {group: [(predicted, measured)]}
+        and `censored` {group: [(predicted, upper bound)]} (a measured 0: tuner.predict.calibration), a group being
+        (engine, whether the prediction lay within its profile's sequences: `calibrates`), `best`
+        (feasible measured req/s) and `best_trial`, `pruned` (quality keys the gate put out), `defaults` (engine
+        defaults enqueued or measured, as Optuna parameters' engines) and `measured` {key: trial number} of those
+        measured with a capacity."""
         from tuner.predict.calibration import upper_bound_rps
         from tuner.search.objective import quality_key
         from tuner.search.space import config_key
         from tuner.search.workers import interrupted
 
         got: dict[str, Any] = {"done": set(), "pairs": {}, "censored": {}, "best": 0.0, "best_trial": None,
-                               "pruned": set(), "defaults": set()}
+                               "pruned": set(), "defaults": set(), "measured": {}}
         for t in study.get_trials(deepcopy=False):
             ua = t.user_attrs
             if ua.get("baseline") or ua.get("engine_default"):
@@ -672,13 +712,15 @@ class PredictStrategy:
                 continue
             cap = ua.get("capacity") or {}
             measured = float(cap.get("requests_per_s") or 0.0)
+            if key is not None and isinstance(ua.get("capacity"), dict):
+                got["measured"][key] = t.number
             engine = (ua.get("config") or {}).get("engine")
             if ua.get("predicted_requests_per_s") is not None:
-                pr = float(ua["predicted_requests_per_s"])
-                got["pairs"].setdefault(engine, []).append((pr, measured))
+                pr, group = float(ua["predicted_requests_per_s"]), (engine, bool(ua.get("predicted_calibrates", True)))
+                got["pairs"].setdefault(group, []).append((pr, measured))
                 upper = upper_bound_rps(cap) if measured <= 0 else None
                 if upper is not None:
-                    got["censored"].setdefault(engine, []).append((pr, upper))
+                    got["censored"].setdefault(group, []).append((pr, upper))
             if all(c <= 0 for c in ua.get("constraints") or [1]) and measured > got["best"]:
                 got["best"], got["best_trial"] = measured, t.number
         return got
@@ -696,10 +738,11 @@ class PredictStrategy:
             return True
         s = self.state(study, space)
         done, best, best_trial = s["done"], s["best"], s["best_trial"]
-        everything = [x for pairs in s["pairs"].values() for x in pairs]
-        ratio, sigma = calibration(everything, [x for c in s["censored"].values() for x in c])
-        per_engine = {e: calibration(pairs, s["censored"].get(e, ())) for e, pairs in s["pairs"].items()
-                      if len(s["pairs"]) > 1 or space.engines}
+        within = [g for g in s["pairs"] if g[1]]  # extrapolated predictions are calibrated apart (`calibrates`)
+        ratio, sigma = calibration([x for g in within for x in s["pairs"][g]],
+                                   [x for g in within for x in s["censored"].get(g, ())])
+        groups = {g: calibration(pairs, s["censored"].get(g, ())) for g, pairs in s["pairs"].items()
+                  if not g[1] or len(within) > 1 or space.engines}
         for i, params in enumerate(engine_defaults(space)):
             engine = params.get("engine") or space.engine
             if engine in s["defaults"] or (i == 0 and any(t.user_attrs.get("baseline") for t in trials)):
@@ -707,12 +750,13 @@ class PredictStrategy:
             key = config_key(space, params)
             p = next((p for p in self.predictions if p.key == key), None)
             self.band([p] if p is not None else [])
-            r, sg = per_engine.get(engine, (ratio, sigma))
+            r, sg = calibration_of(p, groups, ratio, sigma) if p is not None else (ratio, sigma)
             study.enqueue_trial(params, user_attrs={("engine_default" if i else "baseline"): True,
                                                     **self.attrs(p, r, sg, best, None)})
             return True
-        open_ = [p for p in self.predictions if quality_key(p.config) not in s["pruned"]]
-        p, chance = self.choose(open_, done, ratio, sigma, best, per_engine)
+        twins = self.twins(s["measured"])
+        open_ = [p for p in self.predictions if quality_key(p.config) not in s["pruned"] and p.key not in twins]
+        p, chance = self.choose(open_, done, ratio, sigma, best, groups)
         self.store_predictions(study)  # with the bands the choice computed
         if p is None:
             left = sum(p.key not in done for p in open_)
@@ -721,9 +765,19 @@ class PredictStrategy:
                             f"{chance:.1%} (predictions x {ratio:.2f} calibrated, spread {sigma:.2f})"
                             if left else "every predicted configuration was measured")
             return False
-        r, sg = per_engine.get(p.config.get("engine"), (ratio, sigma))
+        r, sg = calibration_of(p, groups, ratio, sigma)
         study.enqueue_trial(dict(p.params), user_attrs=self.attrs(p, r, sg, best, chance))
         return True
+
+    def twins(self, measured: dict[Any, int]) -> dict[Any, int]:
+        """The unmeasured configurations predicted the same capacity as a measured one from the same profile, batch cap
+        and step budget (they differ only in knobs the model sees no effect of at this load: prefix caching, a KV
+        fraction whose KV holds every request alike), each with that trial's number. They are not chosen: measuring
+        one tells what the model cannot, at a whole measurement's cost (two of a vllm-cpu search's five trials were
+        twins of its trial 1: 2.91 and 3.11 req/s against 2.91). `--strategy measure` samples them."""
+        by_sim = {p.shared: measured[p.key] for p in self.predictions if p.key in measured and p.shared is not None}
+        return {p.key: by_sim[p.shared] for p in self.predictions
+                if p.shared in by_sim and p.key not in measured}
 
     def store_predictions(self, study: Any) -> None:
         """Every prediction of this run into the study (attribute PREDICTIONS, once per run), so the dashboard draws
@@ -749,6 +803,7 @@ class PredictStrategy:
                       else (None, None))
         return {"strategy": "predict", "predicted_requests_per_s": p.rps,
                 "predicted_band": list(p.band) if p.band else None, "predicted_profile": p.profile,
+                "predicted_calibrates": p.calibrates,
                 "predicted_extrapolated": list(p.extrapolated), **({"capacity_plan": plan} if plan else {}),
                 **({"capacity_plan_note": note} if note else {}),
                 "predicted_calibrated_requests_per_s": p.rps * ratio,
@@ -783,6 +838,7 @@ class PredictStrategy:
                                              (False if upper is not None and upper < band[0] else None)),
                              "censored": m <= 0, "measured_upper_rps": upper, "verification": v,
                              "predicted_calibrated_requests_per_s": ua.get("predicted_calibrated_requests_per_s"),
+                             "calibrates": ua.get("predicted_calibrates", True) if pr is not None else None,
                              "predicted_chance_to_beat": ua.get("predicted_chance_to_beat"),
                              "requests_per_s": m, "requests_per_s_ci": ua["capacity"].get("requests_per_s_ci"),
                              "verdict": ua["capacity"].get("verdict"),
@@ -797,7 +853,20 @@ class PredictStrategy:
         prediction = self.report_prediction()
         left = [{**e, "measured": sum(k in measured_keys for k in self.left_out_keys.get(e["why"], []))}
                 for e in prediction["left_out"]]
+        past = [e["trial"] for e in measured if e["calibrates"] is False]
+        if past:
+            said.append(f"trial(s) {', '.join(map(str, past))}: predicted past the sequences their profile measured "
+                        "(extrapolated): in the model's error, but calibrating only the predictions past their "
+                        "profile's sequences, not those within")
+        twins = self.twins(self.state(study, self.space)["measured"]) if self.space is not None else {}
+        if twins:
+            said.append(f"{len(twins)} configuration(s) not measured: each shares its prediction (the same capacity from "
+                        "the same profile, batch cap and step budget) with a measured one (trials "
+                        f"{', '.join(map(str, sorted(set(twins.values()))))}): the model sees no effect of what "
+                        "differs (prefix caching, a KV fraction whose KV holds every request alike) at this load; "
+                        "`--strategy measure` samples them")
         return {**prediction, "notes": prediction["notes"] + said + ([closest] if closest else []),
+                "n_shared_with_measured": len(twins),
                 "left_out": left, "n_not_predicted_not_measured": sum(e["configurations"] - e["measured"]
                                                                       for e in left),
                 "n_measured": len(measured), "measured": measured,
