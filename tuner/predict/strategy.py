@@ -763,7 +763,8 @@ class PredictStrategy:
             self.stopped = (f"no unmeasured configuration of the {left} predicted has a chance of {STOP_CHANCE:.1%} "
                             f"to beat the best measured ({best:.3g} req/s, trial {best_trial}); the best chance left "
                             f"{chance:.1%} (predictions x {ratio:.2f} calibrated, spread {sigma:.2f})"
-                            if left else "every predicted configuration was measured")
+                            if left else "every predicted configuration was measured"
+                            + (f" or shares its prediction with a measured one ({len(twins)})" if twins else ""))
             return False
         r, sg = calibration_of(p, groups, ratio, sigma)
         study.enqueue_trial(dict(p.params), user_attrs=self.attrs(p, r, sg, best, chance))
