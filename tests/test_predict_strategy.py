@@ -118,10 +118,10 @@ def test_an_accurate_model_measures_only_what_can_still_win() -> None:
 
 
 def test_a_configuration_sharing_a_measured_ones_simulation_is_not_measured(monkeypatch, tmp_path) -> None:
-    """Q8_0 at caps 2 and 4 predicted by one simulation (as configurations differing only in prefix caching or a
-    KV fraction whose KV holds every request alike are), the engine serving both at 3.0: once one is measured, the
+    """Q8_0 at caps 2 and 4 given one shared prediction key (as configurations differing only in prefix caching or
+    a KV fraction whose KV holds every request alike get), the engine serving both at 3.0: once one is measured, the
     other is not (its chance to beat the best would be a coin flip on measurement noise), and the answer says
-    which trial it shares its prediction with. Without the shared simulation the same search measures it."""
+    which trial it shares its prediction with. Without the shared key the same search measures it."""
     space = load_space(SPACE)
     rps = {**RAW, ("Q8_0", 2): 3.0}
     runs = {}
@@ -288,8 +288,7 @@ def test_without_a_timeout_every_format_within_the_profile_cap_is_predicted() ->
     assert (best.config["quant"], best.config["batch_cap"]) == ("Q8_0", 4)  # the faster steps, the most slots
 
 
-def test_a_default_cap_above_the_listed_ones_is_extrapolated_and_kept_out_of_the_calibration(tmp_path,
-                                                                                         monkeypatch) -> None:
+def test_a_default_cap_above_the_listed_ones_is_extrapolated_and_calibrated_apart(tmp_path, monkeypatch) -> None:
     """The vllm-cpu space's shape: batch caps 1-4 listed, the engine default at 8 (added to the choices by the
     loader). Each format is profiled at 4, the configurations at 8 are predicted as extrapolations. The engine
     serves a quarter of the prediction at 8, the prediction within: the default, measured first, calibrates the
@@ -313,7 +312,7 @@ def test_a_default_cap_above_the_listed_ones_is_extrapolated_and_kept_out_of_the
     assert first["baseline"] and first["predicted_calibrates"] is False and first["predicted_extrapolated"]
     assert measured_configs(study)[0] == ("Q4_1", 8) and len(study.trials) < len(strategy.predictions)
     assert [c for _, c in measured_configs(study)[1:]].count(8) == 0  # Q8_0 at 8 was predicted 2x a Q4_1 at 4
-    for t in study.trials[1:]:  # within: scaled by the measured ratio within (1), not by the default's 0.5
+    for t in study.trials[1:]:  # within: scaled by the measured ratio within (1), not by the default's 0.25
         assert t.user_attrs["predicted_calibrates"] is True
         assert t.user_attrs["predicted_calibrated_requests_per_s"] == pytest.approx(
             t.user_attrs["predicted_requests_per_s"])

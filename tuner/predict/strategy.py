@@ -741,8 +741,7 @@ class PredictStrategy:
         within = [g for g in s["pairs"] if g[1]]  # extrapolated predictions are calibrated apart (`calibrates`)
         ratio, sigma = calibration([x for g in within for x in s["pairs"][g]],
                                    [x for g in within for x in s["censored"].get(g, ())])
-        groups = {g: calibration(pairs, s["censored"].get(g, ())) for g, pairs in s["pairs"].items()
-                  if not g[1] or len(within) > 1 or space.engines}
+        groups = {g: calibration(pairs, s["censored"].get(g, ())) for g, pairs in s["pairs"].items()}
         for i, params in enumerate(engine_defaults(space)):
             engine = params.get("engine") or space.engine
             if engine in s["defaults"] or (i == 0 and any(t.user_attrs.get("baseline") for t in trials)):
