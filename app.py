@@ -368,10 +368,9 @@ def whatif_section(record: dict[str, Any], views: list[TrialView], info: StudyIn
     if out["message"]:
         st.info(out["message"])
         return
-    cal = out["calibration"]
     st.caption(f"{len(out['rows'])} configurations predicted in {out['seconds']:.2f} s ({out['simulations']} "
-               f"simulated capacity searches), ranked by predicted capacity · calibrated = the model x "
-               f"{cal['ratio']:.2f}, the geometric mean of measured / predicted over {cal['n']} measured trial(s)"
+               f"simulated capacity searches), ranked by predicted capacity · "
+               f"{whatif.calibration_text(out['calibration'])}"
                + (" · measured: the trial's capacity, shown under the study's own SLO and workload only"
                   if out.get("same_as_study") else ""))
     for note in out["left_out"]:
@@ -381,6 +380,7 @@ def whatif_section(record: dict[str, Any], views: list[TrialView], info: StudyIn
         "rank": cc.NumberColumn("rank", format="%d"),
         "predicted_rps": cc.NumberColumn("predicted (req/s, model)", format="%.3f"),
         "calibrated_rps": cc.NumberColumn("predicted, calibrated (req/s)", format="%.3f"),
+        "calibration": cc.TextColumn("calibration group"),
         "study_predicted_rps": cc.NumberColumn("predicted in the search (req/s)", format="%.3f"),
         "measured_rps": cc.NumberColumn("measured (req/s)", format="%.3f"),
         "measured_trial": cc.NumberColumn("measured as trial", format="%d"),

