@@ -90,9 +90,9 @@ def cache_dir(tmp_path_factory):
         yield root
 
 
-def predict_search(cache_dir: Any, space: Any, slower: Any = lambda config: SLOWER, trials: int = 4) -> tuple:
+def predict_search(cache_dir: Any, space: Any, slower: Any = lambda config: SLOWER) -> tuple:
     """(study, ctx, strategy) of a predict search on `space`: predictions from the cached profiles, the trials the
-    strategy chose measured on an engine `slower(config)` times as slow as its profile says."""
+    strategy chose (4 at most) measured on an engine `slower(config)` times as slow as its profile says."""
     import optuna
 
     from tuner.measure.capacity import CapacitySearch
@@ -128,7 +128,7 @@ def predict_search(cache_dir: Any, space: Any, slower: Any = lambda config: SLOW
         trial.set_user_attr("constraints", [0.0 if cap["verdict"] == "meets" else 1.0, 0.0])
         return float(cap["requests_per_s"] or 0.0), 0.0
 
-    for _ in range(trials):
+    for _ in range(4):
         if not strategy.enqueue_next(study, space):
             break
         study.optimize(objective, n_trials=1)
