@@ -129,22 +129,15 @@ def study_calibration(views: Sequence[TrialView]) -> tuple[float, float, dict[An
     (tuner.predict.strategy.calibrations): each trial's raw prediction beside its measured capacity in its group
     (its engine; within its profile's sequences or past them, as its prediction said), a measured 0 censored at its
     bound. `shown`: the overall ratio, spread and n (the groups within) and each group's."""
-    from tuner.predict.calibration import upper_bound_rps
-    from tuner.predict.strategy import calibrations
+    from tuner.predict.strategy import add_pair, calibrations
 
     pairs: dict[tuple[Any, bool], list[tuple[float, float]]] = {}
     censored: dict[tuple[Any, bool], list[tuple[float, float]]] = {}
     for v in views:
-        pred = (v.predicted or {}).get("predicted_requests_per_s")
         cap = v.row.trial_capacity if v.row.trial_capacity is not None else v.capacity
-        if v.state != "COMPLETE" or pred is None or not isinstance(cap, Mapping):
-            continue
-        group = ((v.row.config or {}).get("engine"), bool((v.predicted or {}).get("predicted_calibrates", True)))
-        measured = float(cap.get("requests_per_s") or 0.0)
-        pairs.setdefault(group, []).append((float(pred), measured))
-        upper = upper_bound_rps(dict(cap)) if measured <= 0 else None
-        if upper is not None:
-            censored.setdefault(group, []).append((float(pred), upper))
+        if v.state == "COMPLETE" and (v.predicted or {}).get("predicted_requests_per_s") is not None and \
+                isinstance(cap, Mapping):
+            add_pair(pairs, censored, (v.row.config or {}).get("engine"), v.predicted or {}, cap)
     ratio, sigma, groups = calibrations(pairs, censored)
     n = sum(len(got) for g, got in pairs.items() if g[1])
     shown = {"ratio": ratio, "spread": sigma, "n": n,

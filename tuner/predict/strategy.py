@@ -40,11 +40,11 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tuner.predict.calibration import calibrates, same_group
+from tuner.predict.calibration import calibrates, same_group, upper_bound_rps
 
 CONTINUOUS_VALUES = 3  # values of a continuous knob predicted: low, middle, high (log or linear), + the baseline's
 FORMAT_FIELDS = ("engine", "quant", "kv_type", "threads", "ubatch",  # what a profile is for (profile.profile_key)
@@ -158,6 +158,21 @@ def calibrations(pairs: dict[tuple[Any, bool], list[tuple[float, float]]],
     within = [g for g in pairs if g[1]]
     ratio, sigma = calibration([x for g in within for x in pairs[g]], [x for g in within for x in censored.get(g, ())])
     return ratio, sigma, {g: calibration(got, censored.get(g, ())) for g, got in pairs.items()}
+
+
+def add_pair(pairs: dict[tuple[Any, bool], list[tuple[float, float]]],
+             censored: dict[tuple[Any, bool], list[tuple[float, float]]], engine: Any,
+             predicted: Mapping[str, Any], capacity: Mapping[str, Any]) -> None:
+    """One measured trial into its calibration group (its engine; within its profile's sequences or past them, as its
+    prediction said: `predicted_calibrates`): (predicted, measured), and a measured 0 also as (predicted, the bound it
+    lies below) (tuner.predict.calibration.upper_bound_rps). The search's `state` and the dashboard's what-if both
+    group by it."""
+    pr, group = float(predicted["predicted_requests_per_s"]), (engine, bool(predicted.get("predicted_calibrates", True)))
+    measured = float(capacity.get("requests_per_s") or 0.0)
+    pairs.setdefault(group, []).append((pr, measured))
+    upper = upper_bound_rps(dict(capacity)) if measured <= 0 else None
+    if upper is not None:
+        censored.setdefault(group, []).append((pr, upper))
 
 
 def calibration_for(engine: Any, within: bool, groups: dict[tuple[Any, bool], tuple[float, float]], ratio: float,
@@ -702,7 +717,6 @@ class PredictStrategy:
         (feasible measured req/s) and `best_trial`, `pruned` (quality keys the gate put out), `defaults` (engine
         defaults enqueued or measured, as Optuna parameters' engines) and `measured` {key: trial number} of those
         measured with a capacity."""
-        from tuner.predict.calibration import upper_bound_rps
         from tuner.search.objective import quality_key
         from tuner.search.space import config_key
         from tuner.search.workers import interrupted
@@ -726,13 +740,8 @@ class PredictStrategy:
             measured = float(cap.get("requests_per_s") or 0.0)
             if key is not None and isinstance(ua.get("capacity"), dict):
                 got["measured"][key] = t.number
-            engine = (ua.get("config") or {}).get("engine")
             if ua.get("predicted_requests_per_s") is not None:
-                pr, group = float(ua["predicted_requests_per_s"]), (engine, bool(ua.get("predicted_calibrates", True)))
-                got["pairs"].setdefault(group, []).append((pr, measured))
-                upper = upper_bound_rps(cap) if measured <= 0 else None
-                if upper is not None:
-                    got["censored"].setdefault(group, []).append((pr, upper))
+                add_pair(got["pairs"], got["censored"], (ua.get("config") or {}).get("engine"), ua, cap)
             if all(c <= 0 for c in ua.get("constraints") or [1]) and measured > got["best"]:
                 got["best"], got["best_trial"] = measured, t.number
         return got
