@@ -36,11 +36,13 @@ def scratch(tmp_path_factory) -> Path:
     (d / "empty.db").write_text("")
     (d / "notjson.json").write_text("{not json")
     (d / "cfg.json").write_text(json.dumps({"model": "smollm2-135m", "quant": "bf16"}))
+    (d / "linked").mkdir()  # a cache whose profiles folder is a link to nowhere
+    (d / "linked" / "profiles").symlink_to(d / "nowhere")
     return d
 
 
 def snapshot(d: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
+    return {str(p.relative_to(d)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in sorted(d.rglob("*"))}
 
 
 S = ["search", "--model", "smollm2-135m", "--no-quality", "--results-dir", "res"]
@@ -74,6 +76,15 @@ CASES = [
     pytest.param([*B, "--requests", "0", "--json", "out.json"], "--requests 0 is invalid", id="bench-requests"),
     pytest.param([*B, "--goodput", "ttft:abc"], "--goodput 'ttft:abc' is invalid: expected", id="bench-goodput"),
     pytest.param([*B, "--json", "nodir/out.json"], "directory 'nodir' does not exist", id="bench-json-path"),
+    # an output under a file: refused before measuring (bench measured, then lost its result in a traceback)
+    pytest.param([*B, "--json", "afile/out.json"], "--json 'afile/out.json': 'afile' is not a directory",
+                 id="bench-json-under-a-file"),
+    pytest.param([*E, "--json", "afile/q.json"], "--json 'afile/q.json': 'afile' is not a directory",
+                 id="eval-json-under-a-file"),
+    pytest.param(["predict", "--model", "smollm2-135m", "--slo", "e2e:p50<4s", "--json", "afile/p.json"],
+                 "--json 'afile/p.json': 'afile' is not a directory", id="predict-json-under-a-file"),
+    pytest.param(["profile", "--model", "smollm2-135m", "--json", "afile/p.json"],
+                 "--json 'afile/p.json': 'afile' is not a directory", id="profile-json-under-a-file"),
     pytest.param(["bench", "--config", "cfg.json", "--kv-fraction", "0", "--json", "nodir/o.json"],
                        "KV fraction 0", id="bench-config-ignores-knob-flags"),
     pytest.param(["bench", "--config", "notjson.json"], "'notjson.json'", id="bench-config-not-json"),
@@ -191,3 +202,29 @@ def test_bad_input(scratch, argv, needle):
     assert_one_line_error(proc, needle)
     assert snapshot(scratch) == before, "a file was written, changed or left behind"
 
+
+
+P = ["predict", "--model", "smollm2-135m", "--engine", "transformers", "--quant", "bf16", "--slo", "e2e:p50<4s"]
+
+
+@pytest.mark.parametrize("cache,argv,needle", [
+    pytest.param("afile", ["engines"], "$TUNER_CACHE '{d}/afile' is a file: expected a folder", id="engines"),
+    pytest.param("afile/cache", [*B, "--requests", "2"], "$TUNER_CACHE '{d}/afile/cache' is under '{d}/afile', a file",
+                 id="bench"),
+    pytest.param("afile/cache", [*S, "--latency-target", "1s"], "$TUNER_CACHE '{d}/afile/cache' is under",
+                 id="search-before-any-trial"),
+    # a folder inside the cache that the OS refuses (a dangling link): one line naming it, before the profile
+    # measures (it measured for 27 s, then lost the profile in a traceback)
+    pytest.param("linked", P, "'{d}/linked/profiles': File exists: expected a path tuner can create",
+                 id="predict-profiles-folder-a-dangling-link"),
+])
+def test_a_cache_folder_the_os_refuses_is_one_line_before_anything_runs(scratch, cache, argv, needle):
+    """$TUNER_CACHE as a file or under one, or a folder of the cache the OS will not create: every command says so in
+    one line (the path and what is accepted), exit 2, no traceback, nothing written -- the search before its first
+    trial, which would otherwise fail every one of them on it."""
+    before = snapshot(scratch)
+    proc = subprocess.run(tuner_argv(*argv), cwd=scratch, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TUNER_CACHE": str(scratch / cache),
+                               "TUNER_RESULTS": str(scratch / "results")})
+    assert_one_line_error(proc, needle.format(d=scratch))
+    assert snapshot(scratch) == before, "a file was written, changed or left behind"

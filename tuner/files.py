@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from tuner.errors import TunerError
+
 
 def write_atomic(path: Path, write: Callable[[IO[Any]], None], binary: bool = False) -> None:
     """`write(f)` into a temp file in the same folder (opened "wb" when `binary`), then fsync + rename (0644).
@@ -39,3 +41,15 @@ def write_json_atomic(path: Path, data: Any, sort_keys: bool = False) -> None:
         f.write("\n")
 
     write_atomic(path, dump)
+
+
+def check_folder(path: Path, name: str) -> Path:
+    """`path` as a folder tuner may create (its first existing ancestor a folder, or itself one), else one line naming
+    `name` (the flag or variable that gave it) and the part of the path in the way."""
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = "is a file" if part == path else f"is under {str(part)!r}, a file"
+                raise TunerError(f"{name} {str(path)!r} {what}: expected a folder (created if missing)")
+            return path
+    return path

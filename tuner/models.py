@@ -22,8 +22,12 @@ GGUF_MAGIC = b"GGUF"
 
 
 def cache_root() -> Path:
-    """Where converted checkpoints and quantized weights live: $TUNER_CACHE or ~/.cache/tuner."""
-    return Path(os.environ.get("TUNER_CACHE") or Path.home() / ".cache" / "tuner")
+    """Where converted checkpoints and quantized weights live: $TUNER_CACHE or ~/.cache/tuner (one line when it is a
+    file or under one)."""
+    from tuner.files import check_folder
+
+    env = os.environ.get("TUNER_CACHE")
+    return check_folder(Path(env) if env else Path.home() / ".cache" / "tuner", "$TUNER_CACHE" if env else "the cache")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """`tuner` command line. Each subcommand lives in its own module `tuner.cli.<name>` exposing
 `add_parser(subparsers)` and `run(args) -> int`; modules are imported lazily (a registry of names, like lm-eval's).
 
-User errors (TunerError, argparse errors) print one line and exit with code 2, with no traceback.
+User errors (TunerError, argparse errors) and paths the OS refuses (OSError) print one line and exit with code 2, with
+no traceback.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     except TunerError as e:
         print(f"tuner {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a path the OS refused (a folder that is a file, a full disk): one line naming it
+        from tuner.errors import os_error_line
+
+        print(f"tuner {args.command}: error: {os_error_line(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"tuner {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,10 @@ def check_output_path(path: str | None, flag: str = "--json") -> Path | None:
         raise TunerError(f"{flag} {path!r} is a directory: expected a file path")
     if not p.parent.exists():
         raise TunerError(f"{flag} {path!r}: directory {str(p.parent)!r} does not exist")
+    if not p.parent.is_dir():
+        raise TunerError(f"{flag} {path!r}: {str(p.parent)!r} is not a directory: expected a file path in a folder")
+    if not os.access(p.parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise TunerError(f"{flag} {path!r} is not writable here: expected a file path tuner may write")
     return p
 
 

@@ -64,14 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tuner.cli.common import write_json_atomic
+    from tuner.cli.common import check_output_path, write_json_atomic
     from tuner.config import TrialConfig
-    from tuner.errors import TunerError
     from tuner.quality.evaldata import set_offline
 
     t0 = time.perf_counter()
-    if args.json and Path(args.json).expanduser().is_dir():
-        raise TunerError(f"--json {args.json!r} is a directory: expected a file path")
+    out_path = check_output_path(str(Path(args.json).expanduser()) if args.json else None)
     from tuner.quality.report import format_table
     from tuner.quality.run import check_eval_settings, evaluate
 
@@ -90,6 +88,6 @@ def run(args: argparse.Namespace) -> int:
                    kld_tokens=args.kld_tokens)
     res["wall_s"] = time.perf_counter() - t0
     print(format_table(res))
-    if args.json:
-        write_json_atomic(Path(args.json).expanduser(), res)
+    if out_path:
+        write_json_atomic(out_path, res)
     return 0

@@ -203,6 +203,9 @@ def build_context(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
         raise TunerError(f"--quality-max-limit {max_limit} is invalid: expected an integer >= --quality-limit {limit}")
     target_text = args.latency_target or "slo"
     study = check_study_name(args.study or default_study_name(args.model, args.latency_metric, target_text))
+    from tuner.models import cache_root
+
+    cache_root()  # a cache folder that cannot be one would fail every trial: one line before the first
     results = Path(args.results_dir)
     if results.exists() and not results.is_dir():
         raise TunerError(f"--results-dir {args.results_dir!r} is not a directory: expected a directory (created if "

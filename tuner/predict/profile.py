@@ -1021,10 +1021,10 @@ def load_or_measure(config: TrialConfig, batch_cap: int, refresh: bool = False,
         notes.append(f"a profile of this model and format from another "
                      f"{' and '.join(differs(prof['key'], key, KEY_PART_WORDS))} "
                      f"({other.name}, measured {prof.get('measured_at')}) is not reused here: measured again")
+    path.parent.mkdir(parents=True, exist_ok=True)  # a cache folder the OS refuses says so before measuring
     log(f"profiling {config.model} {config.quant} on {config.engine} at {side(config).cap_name} {batch_cap} "
         f"(concurrencies {concurrencies(batch_cap)})")
     profile = measure_profile(config, batch_cap, log, protocol)
     profile["notes"] = notes + profile["notes"]
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, profile)
     return dict(profile, cached=False, path=str(path))
