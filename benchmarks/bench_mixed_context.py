@@ -39,7 +39,7 @@ def main() -> int:
     from tuner.engines.registry import backend
     from tuner.measure.loadgen import run_load
     from tuner.measure.workload import Request, token_pool
-    from tuner.predict.profile import fresh_prompts, wave_gaps
+    from tuner.predict.waves import fresh_prompts, wave_gaps
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2-135m")

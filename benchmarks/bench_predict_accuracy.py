@@ -161,7 +161,8 @@ def quick_profile(quant: str, cap: int, kv_fraction: float, refresh: bool) -> No
     """The format's profile with a quick protocol (2 prefill repeats, 1 decode wave: fewer samples, same shape),
     cached where `tuner predict` reads it (tuner.predict.profile.load_or_measure, what tuner predict calls)."""
     from tuner.config import TrialConfig
-    from tuner.predict.profile import Protocol, load_or_measure
+    from tuner.predict.profile import load_or_measure
+    from tuner.predict.waves import Protocol
 
     config = TrialConfig(model=MODEL, engine="transformers", quant=quant, batch_cap=cap, kv_fraction=kv_fraction)
     load_or_measure(config, cap, refresh=refresh, log=lambda s: print(f"  {s}", file=sys.stderr, flush=True),

@@ -67,7 +67,7 @@ def without_long_waves(profile: dict[str, Any], up_to: int) -> tuple[dict[str, A
     short = min(profile["protocol"]["decode_prompts"])
     kept = [d for d in s["decode"] if d["prompt_tokens"] == short or d["seqs"] <= up_to]
     held = [d for d in s["decode"] if not (d["prompt_tokens"] == short or d["seqs"] <= up_to)]
-    from tuner.predict.profile import DECODE_TOKENS
+    from tuner.predict.waves import DECODE_TOKENS
 
     out = profile["protocol"].get("decode_tokens", DECODE_TOKENS)  # version 10 on: short waves ask fewer (16 + entry)
     gaps = [g for g in s["gaps"] if g[0] <= up_to or g[1] < g[0] * (short + out + 1)]
@@ -147,7 +147,7 @@ def with_shorter_waves(profile: dict[str, Any], tokens: int, from_k: int) -> tup
     sequences on: each request's kept gaps end `decode_tokens - tokens` steps earlier (the wave's first finish
     comes that much sooner; every request decodes in the same steps), summarised again per quarter (a wave: k
     requests in a row); and all the profile's decode samples, held out (the full fit's own, in sample)."""
-    from tuner.predict.profile import decode_samples
+    from tuner.predict.waves import decode_samples
 
     proto = profile["protocol"]
     # version 10 on, a wave asks its entry's steps + decode_steps: `tokens` is then the steps asked past the entry

@@ -52,7 +52,8 @@ def main() -> int:
     from tuner.engines.registry import backend
     from tuner.measure.loadgen import run_load
     from tuner.measure.workload import Request, token_pool
-    from tuner.predict.profile import SHARED_TAIL, DecodePrompts, Protocol, fresh_prompts, side, wave_gaps
+    from tuner.predict.profile import side
+    from tuner.predict.waves import SHARED_TAIL, DecodePrompts, Protocol, fresh_prompts, wave_gaps
 
     p = argparse.ArgumentParser()
     p.add_argument("--engine", default="transformers")

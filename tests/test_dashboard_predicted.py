@@ -2,7 +2,7 @@
 
 The study is made by the real PredictStrategy driven as tuner.search.loop drives it: it predicts every configuration
 of tests/data/tiny_predict_space.yaml from engine profiles taken by the real profile protocol
-(tuner.predict.profile.collect_samples) on a simulated engine and stored in a temporary profile cache, and each
+(tuner.predict.waves.collect_samples) on a simulated engine and stored in a temporary profile cache, and each
 trial it enqueues is "measured" by the real capacity search (tuner.measure.capacity.CapacitySearch) on a simulated
 engine twice as slow as its profile says (the model over-predicts, as a profile taken on a quieter host does). No
 model, no server: every figure comes from the real strategy, simulator and capacity search.
@@ -40,17 +40,18 @@ def step_model(quant: str, factor: float = 1.0) -> Any:
 def simulated_profile(quant: str, cap: int) -> dict[str, Any]:
     """A profile taken by the real protocol on a simulated engine, as profile.py writes it (id, version, fit)."""
     from tuner.predict import profile as prof
+    from tuner.predict import waves
     from tuner.predict.fit import fit_step_model
     from tuner.predict.simulate import SimulatedEngine
 
     engine = SimulatedEngine(step_model(quant), cap, seed=5)
-    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), cap,
-                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0))
+    s = waves.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), cap,
+                             list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS), random.Random(0))
     _, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
     return {"version": prof.VERSION, "id": f"sim-{quant}", "key": {"host": {}, "build": {}}, "fit": fit,
             "samples": s, "notes": [], "batch_cap": cap,
-            "ranges": {"max_seqs": cap, "max_context_per_seq": max(prof.DECODE_PROMPTS) + prof.DECODE_TOKENS,
-                       "max_prompt_tokens": max(prof.PREFILL_TOKENS)}}
+            "ranges": {"max_seqs": cap, "max_context_per_seq": max(waves.DECODE_PROMPTS) + waves.DECODE_TOKENS,
+                       "max_prompt_tokens": max(waves.PREFILL_TOKENS)}}
 
 
 def pool_for(config: Any, spec: Any, options: Any) -> list[Any]:

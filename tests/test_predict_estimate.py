@@ -12,7 +12,7 @@ import pytest
 from tuner.config import TrialConfig
 from tuner.measure.capacity import CapacityOptions
 from tuner.measure.workload import Request
-from tuner.predict import profile as prof
+from tuner.predict import waves
 from tuner.predict.estimate import predict, simulated_capacity
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import SimulatedEngine, StepModel
@@ -30,12 +30,12 @@ def llamacpp(batch_cap: int) -> TrialConfig:
 @pytest.fixture(scope="module")
 def profiled() -> dict[str, Any]:
     engine = SimulatedEngine(TRUTH, 4, seed=5)
-    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
-                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0))
+    s = waves.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
+                             list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS), random.Random(0))
     _, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
     return {"id": "simulated", "key": {"host": {}, "build": {}}, "fit": fit, "samples": s, "notes": [],
-            "ranges": {"max_seqs": 4, "max_context_per_seq": max(prof.DECODE_PROMPTS) + prof.DECODE_TOKENS,
-                       "max_prompt_tokens": max(prof.PREFILL_TOKENS)}}
+            "ranges": {"max_seqs": 4, "max_context_per_seq": max(waves.DECODE_PROMPTS) + waves.DECODE_TOKENS,
+                       "max_prompt_tokens": max(waves.PREFILL_TOKENS)}}
 
 
 def workload(options: CapacityOptions, cap: int) -> list[Request]:
@@ -76,16 +76,16 @@ def test_a_batch_past_the_long_prompts_of_its_profile_says_its_slope_is_held_and
     """A profile that sent long prompts up to 4 sequences of its 8 (vLLM's version-12 protocol does so above 16): a
     prediction at 8 says the context's cost there is the one fitted at 4, without calling itself extrapolated (the
     batch and the context were each measured); at 4, nothing said."""
-    protocol = prof.Protocol(prefill_repeats=2, one_wave_from=2, long_waves_to=4)
+    protocol = waves.Protocol(prefill_repeats=2, one_wave_from=2, long_waves_to=4)
     engine = SimulatedEngine(TRUTH, 8, seed=5)
-    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 8,
-                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0), protocol=protocol)
-    assert max(d["seqs"] for d in s["decode"] if d["prompt_tokens"] == max(prof.DECODE_PROMPTS)) == 4
+    s = waves.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 8,
+                             list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS), random.Random(0), protocol=protocol)
+    assert max(d["seqs"] for d in s["decode"] if d["prompt_tokens"] == max(waves.DECODE_PROMPTS)) == 4
     _, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
     profile = {"id": "simulated", "key": {"host": {}, "build": {}}, "fit": fit, "samples": s, "notes": [],
                "batch_cap": 8, "protocol": protocol.__dict__,
-               "ranges": {"max_seqs": 8, "max_context_per_seq": max(prof.DECODE_PROMPTS) + prof.DECODE_TOKENS,
-                          "max_prompt_tokens": max(prof.PREFILL_TOKENS)}}
+               "ranges": {"max_seqs": 8, "max_context_per_seq": max(waves.DECODE_PROMPTS) + waves.DECODE_TOKENS,
+                          "max_prompt_tokens": max(waves.PREFILL_TOKENS)}}
     options = CapacityOptions(slo=SLO(bounds=tuple(parse_slo("ttft:p90<300ms"))))
     pool = workload(options, 8)
     held = "above 4 sequences a step's cost per context token is the one fitted at 4"

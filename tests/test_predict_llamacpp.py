@@ -52,7 +52,7 @@ def canary():
     from tuner.measure.loadgen import run_load
     from tuner.measure.workload import token_pool
     from tuner.models import checkpoint_dir
-    from tuner.predict.profile import fresh_prompts
+    from tuner.predict.waves import fresh_prompts
     from tuner.quantize import load_tokenizer
 
     pool = token_pool(load_tokenizer(checkpoint_dir("smollm2-135m")))
@@ -121,7 +121,8 @@ def test_a_prefix_copied_into_llama_servers_slots_serves_prompts_as_its_own_prom
     from tuner.engines.registry import backend
     from tuner.measure.loadgen import run_load
     from tuner.measure.workload import Request, token_pool
-    from tuner.predict.profile import DECODE_PROMPTS, DECODE_TOKENS, SHARED_TAIL, DecodePrompts, llamacpp_copies
+    from tuner.predict.profile import llamacpp_copies
+    from tuner.predict.waves import DECODE_PROMPTS, DECODE_TOKENS, SHARED_TAIL, DecodePrompts
 
     long = max(DECODE_PROMPTS)
     config = TrialConfig(model="smollm2-135m", engine="llamacpp", quant="Q8_0", batch_cap=4, threads=1)

@@ -12,6 +12,7 @@ import pytest
 
 from tuner.errors import TunerError
 from tuner.predict import profile as prof
+from tuner.predict import waves
 from tuner.predict.fit import bootstrap_models, fit_step_model, spanned
 from tuner.predict.simulate import SimulatedEngine, StepModel
 
@@ -21,8 +22,8 @@ TRUTH = StepModel(decode_base_s=0.010, decode_per_seq_s=0.002, decode_per_contex
 
 def profile_samples(model: StepModel, batch_cap: int = 4, seed: int = 0) -> dict[str, Any]:
     engine = SimulatedEngine(model, batch_cap, seed=seed)
-    return prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)),
-                                batch_cap, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(seed))
+    return waves.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)),
+                                batch_cap, list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS), random.Random(seed))
 
 
 def test_the_protocol_recovers_a_known_step_model() -> None:
@@ -46,7 +47,7 @@ def test_the_protocol_recovers_what_a_prompt_joining_running_decodes_costs() -> 
                          "mixed_per_token_s": 5e-5, "prefill_per_token_sq_s": 2e-7, "mixed_per_token_sq_s": 1e-7})
     s = profile_samples(truth)
     assert {m["seqs"] for m in s["mixed"]} == {1, 3}  # 1 and the cap less one (the prompt needs a free slot)
-    assert {m["prompt_tokens"] for m in s["mixed"]} == set(prof.PREFILL_TOKENS)
+    assert {m["prompt_tokens"] for m in s["mixed"]} == set(waves.PREFILL_TOKENS)
     model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"], s["mixed"])
     assert model.mixed and fit["mixed"]["n"] == len(s["mixed"])
     for k, tokens in ((1, 16), (3, 384), (8, 100)):
@@ -94,15 +95,15 @@ def test_llamacpps_protocol_copies_a_prefix_per_prompt_length_into_the_slots_bef
         events.append(("wave", k, list(reqs)))
         return engine.run(reqs, concurrency=k).results
 
-    s = prof.collect_samples(serve, list(range(20_000)), 8, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
+    s = waves.collect_samples(serve, list(range(20_000)), 8, list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS),
                              random.Random(0), protocol=prof.LLAMACPP_PROTOCOL,
                              copy=lambda prefix, slots: events.append(("copy", slots, prefix)))
-    short, long = prof.DECODE_PROMPTS
-    tail = prof.SHARED_TAIL
+    short, long = waves.DECODE_PROMPTS
+    tail = waves.SHARED_TAIL
     prefill = [r for what, k, r in events if what == "wave" and k == 1 and r[0].max_tokens == 1]
-    assert [(len(r), len(r[0].prompt_ids)) for r in prefill] == [(2, p) for p in prof.PREFILL_TOKENS]
+    assert [(len(r), len(r[0].prompt_ids)) for r in prefill] == [(2, p) for p in waves.PREFILL_TOKENS]
     decode = [(i, k, r) for i, (what, k, r) in enumerate(events)
-              if what == "wave" and k is not None and r[0].max_tokens == prof.DECODE_TOKENS]
+              if what == "wave" and k is not None and r[0].max_tokens == waves.DECODE_TOKENS]
     assert [(k, len(r[0].prompt_ids)) for _, k, r in decode] == [
         (k, p) for k in (1, 2, 4) for p in (short, short, long, long)] + [(8, short), (8, long)]
     for i, k, reqs in decode:  # each wave: its prefix copied into k slots just before
@@ -135,15 +136,15 @@ def test_a_copy_the_engine_refuses_stops_the_copies_and_the_profile_says_so() ->
         calls.append(slots)
         raise TunerError("llama-server /slots/0?action=save: HTTP Error 501: This server does not support slot save")
 
-    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
-                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0),
+    s = waves.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 4,
+                             list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS), random.Random(0),
                              protocol=prof.LLAMACPP_PROTOCOL, copy=refuse)
     assert calls == [1]  # not asked again
     assert s["notes"] == ["prompt copies into the engine's slots stopped (llama-server /slots/0?action=save: HTTP "
                           "Error 501: This server does not support slot save): decode prompts prefilled in full"]
-    assert len(s["decode"]) == len(prof.collect_samples(
-        lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 4, list(prof.PREFILL_TOKENS),
-        list(prof.DECODE_PROMPTS), random.Random(0), protocol=prof.LLAMACPP_PROTOCOL)["decode"])
+    assert len(s["decode"]) == len(waves.collect_samples(
+        lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 4, list(waves.PREFILL_TOKENS),
+        list(waves.DECODE_PROMPTS), random.Random(0), protocol=prof.LLAMACPP_PROTOCOL)["decode"])
 
 
 def test_vllm_waves_send_the_first_prompts_of_one_family_per_length() -> None:
@@ -154,18 +155,18 @@ def test_vllm_waves_send_the_first_prompts_of_one_family_per_length() -> None:
     # 528 (fresh: 1, 2, 3, 5 and 10), each asking 16 more; the short prompts (the 32 tokens given here; a real vLLM
     # profile sends 8, VLLM_PROTOCOL.short_prompt: no whole block either) in full.
     engine = SimulatedEngine(TRUTH, 16, token_budget=528)
-    waves: list[tuple[int, list[tuple[int, ...]], int]] = []
+    sent: list[tuple[int, list[tuple[int, ...]], int]] = []
 
     def serve(reqs: list[Any], k: int | None) -> list[Any]:
-        if k is not None and len(reqs[0].prompt_ids) in prof.DECODE_PROMPTS:
-            waves.append((k, [tuple(r.prompt_ids) for r in reqs], reqs[0].max_tokens))
+        if k is not None and len(reqs[0].prompt_ids) in waves.DECODE_PROMPTS:
+            sent.append((k, [tuple(r.prompt_ids) for r in reqs], reqs[0].max_tokens))
         return engine.run(reqs, concurrency=k).results
 
-    s = prof.collect_samples(serve, list(range(20_000)), 16, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
+    s = waves.collect_samples(serve, list(range(20_000)), 16, list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS),
                              random.Random(0), protocol=prof.VLLM_PROTOCOL, token_budget=528, prefix_block=lambda: 128)
-    short, long = prof.DECODE_PROMPTS
+    short, long = waves.DECODE_PROMPTS
     for p, tokens in ((short, [17] * 6), (long, [17, 17, 17, 18, 19, 22])):
-        mine = [(k, prompts, n) for k, prompts, n in waves if len(prompts[0]) == p]
+        mine = [(k, prompts, n) for k, prompts, n in sent if len(prompts[0]) == p]
         assert [(k, n) for k, _, n in mine] == list(zip((1, 1, 2, 4, 8, 16), tokens))
         family = mine[-1][1]  # the widest wave's: every prompt of this length, none twice
         assert len(set(family)) == 16 and len({f[:128] for f in family}) == 16
@@ -200,24 +201,24 @@ def test_short_single_waves_from_two_sequences_and_one_mixed_wave_per_batch_size
                          "decode_ctx_by_batch_s": ((1, 8e-6), (2, 1.4e-5), (4, 6e-6), (8, 7e-5), (16, 9e-5))})
     budget = 528
     engine = SimulatedEngine(truth, 16, token_budget=budget, seed=3)
-    waves: list[tuple[int | None, int, int]] = []
+    sent: list[tuple[int | None, int, int]] = []
 
     def serve(reqs: list[Any], k: int | None) -> list[Any]:
         if k is None:  # a mixed wave: its decodes and probes
-            waves.append((None, sum(r.max_tokens > 1 for r in reqs), sum(r.max_tokens == 1 for r in reqs)))
-        elif len(reqs[0].prompt_ids) in prof.DECODE_PROMPTS:
-            waves.append((k, len(reqs[0].prompt_ids), reqs[0].max_tokens))
+            sent.append((None, sum(r.max_tokens > 1 for r in reqs), sum(r.max_tokens == 1 for r in reqs)))
+        elif len(reqs[0].prompt_ids) in waves.DECODE_PROMPTS:
+            sent.append((k, len(reqs[0].prompt_ids), reqs[0].max_tokens))
         return engine.run(reqs, concurrency=k).results
 
-    s = prof.collect_samples(serve, list(range(20_000)), 16, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
+    s = waves.collect_samples(serve, list(range(20_000)), 16, list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS),
                              random.Random(3), protocol=prof.SIDES[engine_name].protocol, token_budget=budget,
                              prefix_block=lambda: prefix_block)
-    short, long = prof.DECODE_PROMPTS
+    short, long = waves.DECODE_PROMPTS
     short_tokens = (17, 17, 17, 17, 17)  # 16 + 1: up to 16 prompts of 32 tokens get in in one step
-    assert waves == [(1, short, 17), (1, short, 17), (1, long, long_tokens[0]), (1, long, long_tokens[0])] + [
+    assert sent == [(1, short, 17), (1, short, 17), (1, long, long_tokens[0]), (1, long, long_tokens[0])] + [
         (k, p, tokens[i]) for i, k in enumerate((2, 4, 8, 16), start=1)
         for p, tokens in ((short, short_tokens), (long, long_tokens))] + [(None, 1, 4), (None, 15, 4)]
-    assert {(m["seqs"], m["prompt_tokens"]) for m in s["mixed"]} >= {(1, p) for p in prof.PREFILL_TOKENS}
+    assert {(m["seqs"], m["prompt_tokens"]) for m in s["mixed"]} >= {(1, p) for p in waves.PREFILL_TOKENS}
     model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"], s["mixed"])
     assert fit["context_slope"]["per_batch"] and model.mixed
     for k in (1, 2, 4, 8, 16):
@@ -240,13 +241,13 @@ def test_vllm_sends_long_prompts_up_to_16_sequences_and_fits_the_wider_batches_s
     sent: list[tuple[int, int]] = []
 
     def serve(reqs: list[Any], k: int | None) -> list[Any]:
-        if k is not None and len(reqs[0].prompt_ids) in prof.DECODE_PROMPTS:
+        if k is not None and len(reqs[0].prompt_ids) in waves.DECODE_PROMPTS:
             sent.append((k, len(reqs[0].prompt_ids)))
         return engine.run(reqs, concurrency=k).results
 
-    s = prof.collect_samples(serve, list(range(40_000)), 64, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
+    s = waves.collect_samples(serve, list(range(40_000)), 64, list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS),
                              random.Random(5), protocol=prof.VLLM_PROTOCOL, token_budget=2048)
-    short, long = prof.DECODE_PROMPTS
+    short, long = waves.DECODE_PROMPTS
     assert sent == [(1, short), (1, short), (1, long), (1, long)] + [
         (k, p) for k in (2, 4, 8, 16) for p in (short, long)] + [(32, short), (64, short)]
     model, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"], s["mixed"])
@@ -262,12 +263,12 @@ def test_transformers_decode_prompts_share_one_prefix_per_length_with_fresh_tail
     # last SHARED_TAIL tokens; the mixed waves' probes stay fresh
     engine = SimulatedEngine(TRUTH, 4)
     sent: list[tuple[int | None, list[Any]]] = []
-    prof.collect_samples(lambda reqs, k: sent.append((k, list(reqs))) or engine.run(reqs, concurrency=k).results,
-                         list(range(20_000)), 4, list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS),
+    waves.collect_samples(lambda reqs, k: sent.append((k, list(reqs))) or engine.run(reqs, concurrency=k).results,
+                         list(range(20_000)), 4, list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS),
                          random.Random(0), protocol=prof.TRANSFORMERS_PROTOCOL, token_budget=4 + 512,
                          prefix_block=lambda: 256)
-    tail = prof.SHARED_TAIL
-    for p in prof.DECODE_PROMPTS:
+    tail = waves.SHARED_TAIL
+    for p in waves.DECODE_PROMPTS:
         ids = [r.prompt_ids for k, reqs in sent if k is not None for r in reqs if len(r.prompt_ids) == p]
         assert len(ids) == 2 * 1 + 2 + 4  # two waves at 1 sequence, one at 2 and 4
         assert len({x[:-tail] for x in ids}) == 1 and len({x[-tail:] for x in ids}) == len(ids)
@@ -336,7 +337,7 @@ def test_wave_gaps_keep_only_steps_where_the_whole_wave_decodes() -> None:
     engine = SimulatedEngine(TRUTH, batch_cap=2, token_budget=64)
     reqs = [Request(0, "", tuple(range(16)), 20, None), Request(1, "", tuple(range(200)), 40, None)]
     results = engine.run(reqs, concurrency=2).results
-    kept = prof.wave_gaps(results)
+    kept = waves.wave_gaps(results)
     both_from = max(r.send_s + r.ttft_ms / 1e3 for r in results)
     first_end = min(r.send_s + r.e2e_ms / 1e3 for r in results)
     assert kept and all(k == 2 for k, _, _ in kept)
@@ -391,7 +392,7 @@ def test_a_profile_from_another_host_is_measured_again_with_a_note(tmp_path: Pat
                                           ("mixed_gap_steps", -1)])
 def test_a_protocol_out_of_range_is_refused_in_one_line(field: str, value: int) -> None:
     with pytest.raises(TunerError) as e:
-        prof.Protocol(**{field: value})
+        waves.Protocol(**{field: value})
     assert f"{field}={value}" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -405,8 +406,8 @@ def test_short_prompts_alone_do_not_give_a_batch_size_its_own_context_slope() ->
                                                (32, 0.110)),
                          "decode_ctx_by_batch_s": ((1, 2e-6), (2, 1.4e-5), (4, 6e-6), (8, 1.5e-5), (16, 2.5e-5))})
     engine = SimulatedEngine(truth, 32, token_budget=2048, seed=5)
-    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 32,
-                             list(prof.PREFILL_TOKENS), [8, 320], random.Random(5), protocol=prof.VLLM_PROTOCOL,
+    s = waves.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), 32,
+                             list(waves.PREFILL_TOKENS), [8, 320], random.Random(5), protocol=prof.VLLM_PROTOCOL,
                              token_budget=2048, prefix_block=lambda: 128)
     assert {d["seqs"] for d in s["decode"] if d["prompt_tokens"] == 320} == {1, 2, 4, 8, 16}
     assert spanned(s["decode"]) == [1, 2, 4, 8, 16]

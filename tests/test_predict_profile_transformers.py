@@ -28,13 +28,14 @@ import pytest
 from tests.conftest import assert_one_line_error, run_tuner
 from tuner.config import TrialConfig
 from tuner.predict import profile as prof
+from tuner.predict import waves
 from tuner.predict.estimate import SPEED_DRIFT
 
 MODEL = "smollm2-135m"
 CONFIG = TrialConfig(model=MODEL, engine="transformers", quant="fp32", batch_cap=2, kv_fraction=0.02)
 FLAGS = ["--model", MODEL, "--engine", "transformers", "--quant", "fp32", "--batch-cap", "2", "--kv-fraction", "0.02"]
 WORKLOAD = ["--requests", "24", "--input-len", "32:64", "--output-len", "4:8", "--seed", "0"]
-QUICK = prof.Protocol(prefill_repeats=2, decode_waves=1)
+QUICK = waves.Protocol(prefill_repeats=2, decode_waves=1)
 CANARY_REQUESTS = 5  # per canary reading: its TTFT and ITL are medians over these
 
 
@@ -127,7 +128,7 @@ def canary():
     engine.start()
 
     def speed() -> tuple[float, float]:  # medians of several requests (one TTFT alone moved 25% quiet)
-        rs = run_load(engine, prof.fresh_prompts(pool, 1 + CANARY_REQUESTS, 64, 9, rng), concurrency=1,
+        rs = run_load(engine, waves.fresh_prompts(pool, 1 + CANARY_REQUESTS, 64, 9, rng), concurrency=1,
                       progress=False).results
         assert all(r.ok for r in rs), [r.error for r in rs]
         rs = [r for r in rs if r.index > 0]  # the first wakes the idle engine: not kept
@@ -156,7 +157,7 @@ def test_decode_prompts_sharing_a_prefix_get_in_with_their_tails_prefilled_only(
     pool, rng = token_pool(tokenizer), random.Random(0)
     engine.start()
     try:
-        shared = prof.DecodePrompts(pool, rng, shared_prefix=True)
+        shared = waves.DecodePrompts(pool, rng, shared_prefix=True)
 
         def first_tokens(reqs: list[Any]) -> tuple[list[float], list[float]]:
             rs = run_load(engine, reqs, concurrency=4, progress=False).results
@@ -166,7 +167,7 @@ def test_decode_prompts_sharing_a_prefix_get_in_with_their_tails_prefilled_only(
         first_tokens(shared(4, 320, 4))  # computes the prefix's block
         assert engine.prefix_cache_block() == 256  # the engine's own figure (its cache is built by its first step)
         together, _ = first_tokens(shared(4, 320, 4))
-        apart, gaps = first_tokens(prof.fresh_prompts(pool, 4, 320, 4, rng))
+        apart, gaps = first_tokens(waves.fresh_prompts(pool, 4, 320, 4, rng))
     finally:
         engine.stop(drain=False)
     step_s = statistics.median(gaps)  # a decode step of 4 sequences

@@ -30,6 +30,7 @@ from tuner.config import TrialConfig
 from tuner.measure.capacity import CapacityOptions
 from tuner.measure.workload import Request
 from tuner.predict import profile as prof
+from tuner.predict import waves
 from tuner.predict.estimate import predict
 from tuner.predict.fit import fit_step_model
 from tuner.predict.simulate import SimulatedEngine, StepModel
@@ -40,7 +41,7 @@ CONFIG = TrialConfig(model=MODEL, engine="vllm", quant="bf16", batch_cap=2, kv_f
 FLAGS = ["--model", MODEL, "--engine", "vllm", "--quant", "bf16", "--batch-cap", "2", "--kv-fraction", "0.02"]
 WORKLOAD = ["--requests", "24", "--input-len", "64:128", "--output-len", "16:32", "--seed", "0"]
 # one wave per length and batch size, VLLM_PROTOCOL's prompts (a family per length; short ones of 8 tokens)
-QUICK = prof.Protocol(prefill_repeats=2, decode_waves=1, reuse_prompts=True, short_prompt=8)
+QUICK = waves.Protocol(prefill_repeats=2, decode_waves=1, reuse_prompts=True, short_prompt=8)
 TRUTH = StepModel(decode_base_s=0.010, decode_per_seq_s=0.002, decode_per_context_token_s=2e-6,
                   prefill_base_s=0.003, prefill_per_token_s=1e-4, noise_sigma=0.1)
 
@@ -50,14 +51,14 @@ def simulated_profile(engine: str, facts: dict[str, Any]) -> dict[str, Any]:
     """A profile taken by the real protocol on a simulated engine of known step times, as `engine`'s with `facts`
     (what a real profile reads from the running engine)."""
     sim = SimulatedEngine(TRUTH, 4, seed=5)
-    s = prof.collect_samples(lambda reqs, k: sim.run(reqs, concurrency=k).results, list(range(20_000)), 4,
-                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0),
-                             protocol=prof.Protocol(prefill_repeats=2, decode_waves=1))
+    s = waves.collect_samples(lambda reqs, k: sim.run(reqs, concurrency=k).results, list(range(20_000)), 4,
+                             list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS), random.Random(0),
+                             protocol=waves.Protocol(prefill_repeats=2, decode_waves=1))
     _, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
     return {"id": f"simulated-{engine}", "key": {"engine": engine, "host": {}, "build": {}}, "fit": fit, "samples": s,
             "notes": [], "engine": facts,
-            "ranges": {"max_seqs": 4, "max_context_per_seq": max(prof.DECODE_PROMPTS) + prof.DECODE_TOKENS,
-                       "max_prompt_tokens": max(prof.PREFILL_TOKENS)}}
+            "ranges": {"max_seqs": 4, "max_context_per_seq": max(waves.DECODE_PROMPTS) + waves.DECODE_TOKENS,
+                       "max_prompt_tokens": max(waves.PREFILL_TOKENS)}}
 
 
 @pytest.mark.parametrize("engine,facts,without", [

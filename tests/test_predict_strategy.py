@@ -202,18 +202,18 @@ def test_the_baseline_format_is_profiled_first_then_the_closest() -> None:
 
 # ------------------------------------------------------------------ prepare, on simulated profiles --- #
 def simulated_profile(truth: Any, cap: int, name: str) -> dict[str, Any]:
-    """A profile taken by the real protocol (tuner.predict.profile.collect_samples) on a simulated engine."""
-    from tuner.predict import profile as prof
+    """A profile taken by the real protocol (tuner.predict.waves.collect_samples) on a simulated engine."""
+    from tuner.predict import waves
     from tuner.predict.fit import fit_step_model
     from tuner.predict.simulate import SimulatedEngine
 
     engine = SimulatedEngine(truth, cap, seed=5)
-    s = prof.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), cap,
-                             list(prof.PREFILL_TOKENS), list(prof.DECODE_PROMPTS), random.Random(0))
+    s = waves.collect_samples(lambda reqs, k: engine.run(reqs, concurrency=k).results, list(range(20_000)), cap,
+                             list(waves.PREFILL_TOKENS), list(waves.DECODE_PROMPTS), random.Random(0))
     _, fit = fit_step_model(s["decode"], s["prefill"], s["gaps"])
     return {"id": name, "key": {"host": {}, "build": {}}, "fit": fit, "samples": s, "notes": [], "batch_cap": cap,
-            "ranges": {"max_seqs": cap, "max_context_per_seq": max(prof.DECODE_PROMPTS) + prof.DECODE_TOKENS,
-                       "max_prompt_tokens": max(prof.PREFILL_TOKENS)}}
+            "ranges": {"max_seqs": cap, "max_context_per_seq": max(waves.DECODE_PROMPTS) + waves.DECODE_TOKENS,
+                       "max_prompt_tokens": max(waves.PREFILL_TOKENS)}}
 
 
 class SimulatedProfiles(st.PredictStrategy):
