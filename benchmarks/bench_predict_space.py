@@ -185,6 +185,7 @@ def choose_until_stop(strategy: Any, trials: int) -> dict[str, Any]:
     measures exactly its prediction (the calibration as enqueue_next makes it), until it stops or `trials` are
     measured (`tuner search --trials`): the configurations chosen, the bands computed for the choices, how many came
     out wider than the rule had assumed, and the seconds (wall, CPU with the worker processes') they took."""
+    from tuner.predict import choose
     from tuner.predict import strategy as st
 
     t, cpu, before = time.perf_counter(), cpu_s(), sum(p.banded for p in strategy.predictions)
@@ -194,7 +195,7 @@ def choose_until_stop(strategy: Any, trials: int) -> dict[str, Any]:
     base = next(p for p in strategy.predictions if p.key == default)  # the engine default, measured first
     measured = [base]
     while len(measured) < trials:
-        ratio, sigma = st.calibration([(p.rps, p.rps) for p in measured])
+        ratio, sigma = choose.calibration([(p.rps, p.rps) for p in measured])
         p, _ = strategy.choose(strategy.predictions, {m.key for m in measured}, ratio, sigma,
                                max(m.rps for m in measured))
         if p is None:

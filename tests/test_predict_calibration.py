@@ -11,6 +11,7 @@ import pytest
 
 from tests.test_predict_strategy import SPACE, context, pool, simulated_profile
 from tuner.predict import calibration as cal
+from tuner.predict import choose
 from tuner.predict import strategy as st
 
 PREDICTED, BAND = 2.0, [1.6, 2.5]
@@ -88,12 +89,12 @@ def test_an_old_record_of_a_zero_ratio_is_read_as_censored(monkeypatch, tmp_path
 
 def test_the_search_recalibrates_with_a_censored_measurement_as_an_upper_bound() -> None:
     # two measured at 0.5x; a third nothing met below 0.8 req/s of a predicted 2.0 (ratio at most 0.4): counted at 0.4
-    ratio, _ = st.calibration([(2.0, 1.0), (4.0, 2.0)], [(2.0, 0.8)])
+    ratio, _ = choose.calibration([(2.0, 1.0), (4.0, 2.0)], [(2.0, 0.8)])
     assert ratio == pytest.approx((0.5 * 0.5 * 0.4) ** (1 / 3))
     # a bound at 1.5x of the prediction (the real ratio anywhere below 1.5) says nothing against 0.5: left out
-    assert st.calibration([(2.0, 1.0), (4.0, 2.0)], [(2.0, 3.0)]) == st.calibration([(2.0, 1.0), (4.0, 2.0)])
+    assert choose.calibration([(2.0, 1.0), (4.0, 2.0)], [(2.0, 3.0)]) == choose.calibration([(2.0, 1.0), (4.0, 2.0)])
     # alone, below the prior's ratio of 1: the bound is the estimate (never 0)
-    assert st.calibration([(2.0, 0.0)], [(2.0, 0.5)])[0] == pytest.approx(0.25)
+    assert choose.calibration([(2.0, 0.0)], [(2.0, 0.5)])[0] == pytest.approx(0.25)
 
 
 def test_a_prediction_after_a_censored_measurement_keeps_a_band_above_zero(monkeypatch, tmp_path) -> None:

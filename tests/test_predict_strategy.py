@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, assert_one_line_error, run_tuner
+from tuner.predict import choose
 from tuner.predict import strategy as st
 from tuner.search.space import load_space
 
 SPACE = REPO / "tests" / "data" / "tiny_predict_space.yaml"
 
 
-def fixed(space: Any, rps: dict[tuple[str, int], float], rel_band: float = 0.05) -> list[st.Prediction]:
+def fixed(space: Any, rps: dict[tuple[str, int], float], rel_band: float = 0.05) -> list[choose.Prediction]:
     """Predictions of every (quant, batch cap) of `space` with the given capacities and a narrow band."""
     from optuna.trial import FixedTrial
 
@@ -26,7 +27,7 @@ def fixed(space: Any, rps: dict[tuple[str, int], float], rel_band: float = 0.05)
     for params in st.enumerate_space(space):
         c = suggest_config(FixedTrial(params), space, "smollm2-135m", "cpu").to_dict()
         r = rps[(c["quant"], c["batch_cap"])]
-        out.append(st.Prediction(params, c, config_key(space, params), r, (r * (1 - rel_band), r * (1 + rel_band)),
+        out.append(choose.Prediction(params, c, config_key(space, params), r, (r * (1 - rel_band), r * (1 + rel_band)),
                                  "fixed", banded=True))
     return out
 
@@ -112,9 +113,9 @@ def test_an_accurate_model_measures_only_what_can_still_win() -> None:
     assert got[:2] == [("Q4_1", 1), ("Q8_0", 4)] and len(got) < len(RAW)
     for t in study.trials[1:]:  # each chosen one's band reached above the best measured when it was chosen
         assert t.user_attrs["predicted_calibrated_band"][1] > t.user_attrs["best_measured_before_rps"]
-    ratio, sigma = st.calibration([(RAW[k], RAW[k]) for k in got])
+    ratio, sigma = choose.calibration([(RAW[k], RAW[k]) for k in got])
     left = [p for p in strategy.predictions if (p.config["quant"], p.config["batch_cap"]) not in got]
-    assert left and all(st.calibrated_band(p, ratio, sigma)[1] < 3.0 for p in left)  # why it stopped
+    assert left and all(choose.calibrated_band(p, ratio, sigma)[1] < 3.0 for p in left)  # why it stopped
 
 
 def test_a_configuration_sharing_a_measured_ones_simulation_is_not_measured(monkeypatch, tmp_path) -> None:
@@ -163,20 +164,20 @@ def test_the_band_counts_not_the_point_alone() -> None:
     narrow, wide = preds[1], preds[2]
     narrow.rps, narrow.band = 2.2, (2.15, 2.25)
     wide.rps, wide.band = 2.3, (0.5, 5.0)
-    chosen, chance = st.next_candidate([narrow, wide], set(), 1.0, st.PRIOR_SIGMA, 2.0)
+    chosen, chance = choose.next_candidate([narrow, wide], set(), 1.0, choose.PRIOR_SIGMA, 2.0)
     assert chosen is narrow and 0.5 < chance < 1
-    assert st.next_candidate([wide], set(), 1.0, st.PRIOR_SIGMA, 2.0)[1] < chance
+    assert choose.next_candidate([wide], set(), 1.0, choose.PRIOR_SIGMA, 2.0)[1] < chance
     # far below the best: no chance left, nothing chosen
     narrow.rps, narrow.band = 1.0, (0.95, 1.05)
-    assert st.next_candidate([narrow], set(), 1.0, st.PRIOR_SIGMA, 2.0)[0] is None
+    assert choose.next_candidate([narrow], set(), 1.0, choose.PRIOR_SIGMA, 2.0)[0] is None
 
 
 def test_calibration_is_the_measured_ratio_and_its_spread_shrinks_with_agreeing_measurements() -> None:
-    ratio, sigma = st.calibration([(2.0, 1.0), (4.0, 2.0), (1.0, 0.5)])
-    assert ratio == pytest.approx(0.5) and sigma < st.PRIOR_SIGMA
-    assert st.calibration([]) == (1.0, st.PRIOR_SIGMA)
-    assert st.calibration([(2.0, 0.0)]) == (1.0, st.PRIOR_SIGMA)  # a zero capacity carries no ratio
-    assert st.calibration([(1.0, 2.0), (1.0, 0.5)])[1] > st.PRIOR_SIGMA  # disagreeing: wider than the prior
+    ratio, sigma = choose.calibration([(2.0, 1.0), (4.0, 2.0), (1.0, 0.5)])
+    assert ratio == pytest.approx(0.5) and sigma < choose.PRIOR_SIGMA
+    assert choose.calibration([]) == (1.0, choose.PRIOR_SIGMA)
+    assert choose.calibration([(2.0, 0.0)]) == (1.0, choose.PRIOR_SIGMA)  # a zero capacity carries no ratio
+    assert choose.calibration([(1.0, 2.0), (1.0, 0.5)])[1] > choose.PRIOR_SIGMA  # disagreeing: wider than the prior
 
 
 def test_the_space_is_enumerated_with_a_few_values_of_each_continuous_knob() -> None:
@@ -224,10 +225,10 @@ class SimulatedProfiles(st.PredictStrategy):
         self.profiled: list[str] = []
         self.caps: list[int] = []  # the batch cap each profile was taken at
 
-    def cached(self, members: list[st.Prediction], cap: int) -> None:
+    def cached(self, members: list[choose.Prediction], cap: int) -> None:
         return None
 
-    def measure(self, members: list[st.Prediction], cap: int) -> dict[str, Any]:
+    def measure(self, members: list[choose.Prediction], cap: int) -> dict[str, Any]:
         from tuner.predict.simulate import StepModel
 
         quant = members[0].config["quant"]
@@ -377,7 +378,7 @@ def test_bands_computed_as_the_choosing_rule_needs_them_choose_what_every_band_c
 class OneFormatTooSlow(SimulatedProfiles):
     """Q8_0's profile so slow (30 s a decode step) that no simulated request ends within the request timeout."""
 
-    def measure(self, members: list[st.Prediction], cap: int) -> dict[str, Any]:
+    def measure(self, members: list[choose.Prediction], cap: int) -> dict[str, Any]:
         from tuner.predict.simulate import StepModel
 
         if members[0].config["quant"] != "Q8_0":
@@ -402,7 +403,7 @@ def test_a_format_whose_simulation_fails_is_left_out_said_and_the_rest_predicted
 class SimulatedAcrossEngines(SimulatedProfiles):
     """Profiles on simulated engines for every (engine, weight type) of the tiny spaces: transformers' steps slower."""
 
-    def measure(self, members: list[st.Prediction], cap: int) -> dict[str, Any]:
+    def measure(self, members: list[choose.Prediction], cap: int) -> dict[str, Any]:
         from tuner.predict.simulate import StepModel
 
         c = members[0].config

@@ -14,6 +14,7 @@ import pytest
 from tests.test_predict_strategy import RAW, SPACE, SimulatedProfiles, context, fixed, pool
 from tuner.measure.capacity import CapacityOptions, probe_requests_for
 from tuner.measure.workload import Request
+from tuner.predict import choose
 from tuner.predict import strategy as st
 from tuner.predict.estimate import simulated_capacity
 from tuner.predict.simulate import StepModel
@@ -199,7 +200,7 @@ def test_configurations_past_the_profile_are_extrapolated_in_the_strategys_answe
 class ShortContextProfiles(SimulatedProfiles):
     """Profiles that measured contexts of up to 120 tokens per sequence (as a profile with short prompts would)."""
 
-    def measure(self, members: list[st.Prediction], cap: int) -> dict[str, Any]:
+    def measure(self, members: list[choose.Prediction], cap: int) -> dict[str, Any]:
         prof = super().measure(members, cap)
         return {**prof, "ranges": {**prof["ranges"], "max_context_per_seq": 120}}
 
@@ -213,10 +214,10 @@ def test_a_configuration_twice_past_its_profile_is_ranked_as_its_computed_band_r
     waiting = [p for p in strategy.predictions if not p.banded]
     assert waiting and all(p.extrapolated for p in waiting)
     best = 0.9 * max(p.rps for p in strategy.predictions)
-    ranked = {id(p): c for c, p in st.ranking(waiting, set(), 1.0, st.PRIOR_SIGMA, best, None, strategy.assumed_band)}
+    ranked = {id(p): c for c, p in choose.ranking(waiting, set(), 1.0, choose.PRIOR_SIGMA, best, None, strategy.assumed_band)}
     strategy.band(waiting)
     assert all(p.band[0] == 0.0 for p in waiting)
-    assert {id(p): st.chance_to_beat(p, 1.0, st.PRIOR_SIGMA, best) for p in waiting} == ranked
+    assert {id(p): choose.chance_to_beat(p, 1.0, choose.PRIOR_SIGMA, best) for p in waiting} == ranked
 
 
 def test_the_strategys_bands_carry_the_profiles_calibration_history(monkeypatch, tmp_path) -> None:
@@ -238,7 +239,7 @@ def test_the_strategys_bands_carry_the_profiles_calibration_history(monkeypatch,
 class ProfiledElsewhere(SimulatedProfiles):
     """The profile measured now says why (another host's profile of this format was not reused)."""
 
-    def measure(self, members: list[st.Prediction], cap: int) -> dict[str, Any]:
+    def measure(self, members: list[choose.Prediction], cap: int) -> dict[str, Any]:
         got = super().measure(members, cap)
         return dict(got, notes=["a profile of this model and format from another host (x.json, measured then) is "
                                 "not reused here: measured again"])

@@ -8,7 +8,7 @@ capacity settings, the scenario's SLO and the capacity pool the scenario's workl
 profile cache by the ids the study recorded; without any, the what-if says so in one line. A target arrival rate
 gives the replicas each configuration needs (predicted). Point predictions only (no band: the band re-runs each
 search several times, too slow for an interactive page); the calibration of the study's measured trials is shown
-beside the raw model, per calibration group as the search calibrates (tuner.predict.strategy.calibrations: the
+beside the raw model, per calibration group as the search calibrates (tuner.predict.choose.calibrations: the
 geometric mean of measured / predicted per engine, within the profile's sequences or past them), so a configuration
 within its profile is not scaled by an extrapolation's error.
 """
@@ -126,10 +126,10 @@ def load_profiles(record: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]],
 def study_calibration(views: Sequence[TrialView]) -> tuple[float, float, dict[Any, tuple[float, float]],
                                                              dict[str, Any]]:
     """(ratio, spread, groups, shown) of the study's measured trials, as the search calibrates
-    (tuner.predict.strategy.calibrations): each trial's raw prediction beside its measured capacity in its group
+    (tuner.predict.choose.calibrations): each trial's raw prediction beside its measured capacity in its group
     (its engine; within its profile's sequences or past them, as its prediction said), a measured 0 censored at its
     bound. `shown`: the overall ratio, spread and n (the groups within) and each group's."""
-    from tuner.predict.strategy import add_pair, calibrations
+    from tuner.predict.choose import add_pair, calibrations
 
     pairs: dict[tuple[Any, bool], list[tuple[float, float]]] = {}
     censored: dict[tuple[Any, bool], list[tuple[float, float]]] = {}
@@ -174,9 +174,9 @@ def what_if(record: Mapping[str, Any], attrs: Mapping[str, Any], views: Sequence
     is not simulated again."""
     from tuner.config import TrialConfig
     from tuner.predict.calibration import calibrates
+    from tuner.predict.choose import calibration_for
     from tuner.predict.estimate import simulated_capacity
     from tuner.predict.profile import profiles_dir, scheduler_limits, step_model
-    from tuner.predict.strategy import calibration_for
 
     t0 = time.perf_counter()
     entries = list(record.get("configurations") or [])

@@ -159,7 +159,7 @@ def calibrates(profile: dict[str, Any] | None, batch_cap: int) -> bool:
     """Whether a prediction lies within the sequences its profile measured. Its calibration group: the predictions
     within are scaled by the ratio measured / predicted of those measured within; one past them (an extrapolation,
     off in its own way: how far the fit reaches, not how far off it is where measured) by that of those measured
-    past, or the within ratio while none was (tuner.predict.strategy.calibrations). Every measured pair is reported
+    past, or the within ratio while none was (tuner.predict.choose.calibrations). Every measured pair is reported
     and kept in the profile's history, whose records widen the bands of their own group only (`same_group`)."""
     seqs = ((profile or {}).get("ranges") or {}).get("max_seqs")
     return seqs is None or batch_cap <= seqs
