@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import REPO, assert_one_line_error, run_tuner
@@ -188,3 +195,58 @@ def test_one_study_across_engines_names_each_engines_best_and_its_command(tmp_pa
     assert x["argv"] == argv and x["env"] == env
     rows = {r["number"]: r for r in csv.DictReader(open(tmp_path / "engines" / "trials.csv"))}
     assert [rows[str(n)]["engine"] for n in range(3)] == ["transformers-cb", "llamacpp", "vllm"]
+
+
+def vllm_processes(root: Any) -> list[Any]:
+    """The vLLM server's processes under `root` (the API server, its engine core and worker), not the guard."""
+    out = []
+    for c in root.children(recursive=True):
+        try:
+            line = " ".join(c.cmdline())
+        except psutil.Error:
+            continue
+        if "vllm.entrypoints" in line or "VLLM::" in line:
+            out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_tuner_leaves_no_vllm_process_behind(sig, tmp_path):
+    """`tuner profile --engine vllm` killed while vLLM starts (its engine core and worker up, the server not yet
+    healthy): nothing of the server outlives it. SIGKILL: the guard beside the server stops its process group;
+    SIGTERM: the command stops as Ctrl-C does (exit 130, "interrupted"), the server with it. With the parent-death
+    signal alone (it reaches the API server only), a tuner killed 8 s after the worker appeared left vLLM's API
+    server, engine core and worker running, ~5 GB, a minute later (fp32, 2026-12-08)."""
+    from tuner.models import cache_root
+
+    cache = tmp_path / "cache"  # no cached profile: the venv and the converted model linked from the real cache
+    cache.mkdir()
+    for part in ("vllm", "models"):
+        (cache / part).symlink_to(cache_root() / part)
+    p = subprocess.Popen([sys.executable, "-m", "tuner", "profile", "--engine", "vllm", "--model", MODEL, "--quant",
+                          "fp32", "--batch-cap", "32", "--kv-fraction", "0.18"], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "TUNER_CACHE": str(cache)})
+    try:
+        tuner = psutil.Process(p.pid)
+        deadline = time.time() + 300
+        while time.time() < deadline and not any("VLLM::Worker" in " ".join(c.cmdline())
+                                                 for c in vllm_processes(tuner)):
+            assert p.poll() is None, p.communicate()[1][-2000:]
+            time.sleep(0.2)
+        time.sleep(8)  # the worker is warming up (its compile pass): the server is not healthy yet
+        server = vllm_processes(tuner)
+        assert len(server) == 3, [" ".join(c.cmdline())[:80] for c in server]
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+        gone_by = time.time() + 30
+        while time.time() < gone_by and [c for c in server if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]:
+            time.sleep(0.5)
+        left = [c.pid for c in server if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert left == [], f"{len(left)} vLLM processes outlived the tuner by 30 s"
+        if sig == signal.SIGTERM:
+            assert p.returncode == 130 and "tuner profile: interrupted" in err, (p.returncode, err[-2000:])
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -52,6 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (a `kill`, a job scheduler, a container stop) stops a command as Ctrl-C does: the engines and servers it
+    started are stopped, what finished is kept, exit 130 (it used to end the process where it stood)."""
+    import signal
+    import threading
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     from tuner.errors import TunerError
     from tuner.quiet import quiet_libraries
@@ -62,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:])
     module = importlib.import_module(COMMANDS[args.command][0])
+    stop_on_sigterm()
     try:
         return int(module.run(args) or 0)
     except TunerError as e:
