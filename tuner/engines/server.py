@@ -2,9 +2,9 @@
 health endpoint, keep its output in a log, stop it (and everything it started).
 
 No orphan survives the tuner: the server runs in a process group of its own, which everything it starts joins (vLLM's
-engine core and workers), with a guard beside it (`GUARD`: a few lines of Python in a session of their own, blocked on
-a pipe only this tuner process holds open); `stop()` terminates the server, then kills it and whatever is left of its
-group, then ends the guard. When the tuner dies without stopping it (SIGKILL, an out-of-memory kill, a SIGTERM to a
+engine core and workers), with a guard beside it (tuner/engines/guard.py, run as a script in a session of its own,
+blocked on a pipe only this tuner process holds open); `stop()` terminates the server, then kills it and whatever is
+left of its group, then ends the guard. When the tuner dies without stopping it (SIGKILL, an out-of-memory kill, a SIGTERM to a
 process that does not catch it) the kernel closes the pipe, and the guard terminates the server's group, then kills
 it. The server is also asked to die with its parent (Linux `PR_SET_PDEATHSIG`), which alone left vLLM's engine core
 and workers running when the tuner was killed while vLLM started (3 processes, ~5 GB, still there 20 s later).
@@ -51,26 +51,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-GUARD_GRACE_S = 5.0  # the guard's SIGTERM -> SIGKILL
-# The guard: reads its stdin until EOF (the tuner process that holds the pipe ended it, or died), then stops the
-# process group argv[1] (SIGTERM; SIGKILL to what is left after argv[2] seconds). Nothing imported beyond the standard
-# library's os, signal, sys and time, and run with -S: it starts in a few milliseconds.
-GUARD = """
-import os, signal, sys, time
-sys.stdin.buffer.read()
-group, grace = int(sys.argv[1]), float(sys.argv[2])
-def signal_group(sig):
-    try:
-        os.killpg(group, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-if signal_group(signal.SIGTERM):
-    end = time.monotonic() + grace
-    while signal_group(0) and time.monotonic() < end:
-        time.sleep(0.1)
-    signal_group(signal.SIGKILL)
-"""
+GUARD_GRACE_S = 5.0  # the guard's SIGTERM -> SIGKILL (tuner.engines.guard)
 
 
 def last_error_line(lines: list[str]) -> str:
@@ -97,7 +78,8 @@ class ServerProcess:
         self._owned_log = False  # a temporary log made here is removed at stop (its last lines are read before)
         self._log_start = 0  # where this server's output begins in a shared (appended) log
         self._t0 = 0.0  # when it was launched (perf_counter)
-        self._guard: subprocess.Popen | None = None  # stops the server's group if this process dies (`GUARD`)
+        self._guard: subprocess.Popen | None = None  # stops the server's group if this process dies (guard.py)
+        self._leader_start = -1  # the server's start time (clock ticks since boot): its group is known by it
 
     @property
     def url(self) -> str:
@@ -133,8 +115,12 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
                                      stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})},
                                      preexec_fn=_die_with_parent, start_new_session=True)
+        from tuner.engines import guard
+
+        self._leader_start = (guard.stat(self.proc.pid) or (0, -1, ""))[1]
         try:  # its own session too: a kill of the tuner's process group leaves it to do its work
-            self._guard = subprocess.Popen([sys.executable, "-S", "-c", GUARD, str(self.proc.pid), str(GUARD_GRACE_S)],
+            self._guard = subprocess.Popen([sys.executable, "-S", guard.__file__, str(self.proc.pid),
+                                            str(self._leader_start), str(GUARD_GRACE_S)],
                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                            stderr=subprocess.DEVNULL, start_new_session=True)
         except OSError:
@@ -209,11 +195,10 @@ class ServerProcess:
                 except psutil.Error:
                     pass
             psutil.wait_procs(alive, timeout=5)
-        if proc is not None:
-            try:  # anything left in its group (started after the children were listed, or re-parented)
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        if proc is not None:  # anything left in its group (started after the children were listed, or re-parented)
+            from tuner.engines.guard import stop_group
+
+            stop_group(proc.pid, self._leader_start, 0.0)
         self._end_guard()
         self._close_log()
         if self._owned_log and self.log_path is not None:
