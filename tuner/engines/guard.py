@@ -45,18 +45,19 @@ def members(group: int, leader_start: int) -> list[int]:
     return out
 
 
-def stop_group(group: int, leader_start: int, grace_s: float) -> None:
-    """SIGTERM to every member of the group, then SIGKILL to those left after `grace_s` seconds."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def stop_group(group: int, leader_start: int, grace_s: float, terminate: bool = True) -> None:
+    """SIGTERM to every member of the group (`terminate`; else they are left to stop on their own, as the server's
+    children do once it has stopped), then SIGKILL to those left after `grace_s` seconds."""
+    for sig in (signal.SIGTERM if terminate else 0, signal.SIGKILL):
         pids = members(group, leader_start)
         if not pids:
             return
-        for pid in pids:
+        for pid in pids if sig else ():
             try:
                 os.kill(pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-        end = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+        end = time.monotonic() + (grace_s if sig != signal.SIGKILL else 5.0)
         while members(group, leader_start) and time.monotonic() < end:
             time.sleep(0.1)
 

@@ -167,15 +167,10 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after `grace_s`; idempotent. Keeps `last_lines` of the log."""
-        proc = self.proc
-        kids: list[Any] = []
-        if proc is not None and proc.poll() is None:
-            try:  # what the server started (vLLM: its engine core and workers), stopped with it
-                import psutil
+        from tuner.engines.guard import stop_group
 
-                kids = psutil.Process(proc.pid).children(recursive=True)
-            except Exception:
-                kids = []
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
                 proc.wait(timeout=grace_s)
@@ -185,20 +180,8 @@ class ServerProcess:
                 except (ProcessLookupError, PermissionError):
                     proc.kill()
                 proc.wait(timeout=10)
-        if kids:
-            import psutil
-
-            _, alive = psutil.wait_procs(kids, timeout=grace_s)
-            for k in alive:
-                try:
-                    k.kill()
-                except psutil.Error:
-                    pass
-            psutil.wait_procs(alive, timeout=5)
-        if proc is not None:  # anything left in its group (started after the children were listed, or re-parented)
-            from tuner.engines.guard import stop_group
-
-            stop_group(proc.pid, self._leader_start, 0.0)
+        if proc is not None:  # what it started (vLLM: its engine core and workers) stops with it, or is killed
+            stop_group(proc.pid, self._leader_start, grace_s, terminate=False)
         self._end_guard()
         self._close_log()
         if self._owned_log and self.log_path is not None:
